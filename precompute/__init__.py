@@ -1,0 +1,1 @@
+"""dflash.precompute: stage one, run the target once and write the cache."""

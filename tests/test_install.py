@@ -1,0 +1,66 @@
+"""A regular (non-editable) install imports as dflash.* from outside the repository and puts
+no top-level `kernels`, `train`, `shards` or `precompute` module on the path."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COLLIDING = {"kernels", "train", "shards", "precompute"}
+
+
+@pytest.fixture(scope="module")
+def scratch_venv(tmp_path_factory) -> Path:
+    """A fresh venv with only dflash installed from a wheel (dependencies come from the
+    running environment through a .pth file, so the test needs no network)."""
+    root = tmp_path_factory.mktemp("install")
+    wheel_dir = root / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(wheel_dir), str(REPO)],
+        check=True, cwd=root,
+    )
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    (wheel,) = wheel_dir.glob("dflash-*.whl")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel],
+                   check=True)
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "zz_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv
+
+
+def test_regular_install_imports_from_outside_repo(scratch_venv, tmp_path):
+    python = scratch_venv / "bin" / "python"
+    code = (
+        "import dflash.shards, dflash.kernels, dflash.precompute, dflash.train\n"
+        "for m in (dflash.shards, dflash.kernels, dflash.precompute, dflash.train):\n"
+        "    print(m.__file__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env=env).stdout.split()
+    assert len(out) == 4
+    for path in out:
+        assert str(scratch_venv) in path, f"{path} was not imported from the scratch install"
+
+
+def test_regular_install_adds_no_colliding_top_level_module(scratch_venv):
+    python = scratch_venv / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    top_level = {p.name.removesuffix(".py") for p in site.iterdir()}
+    assert "dflash" in top_level
+    assert not COLLIDING & top_level
+    assert not (site / "dflash" / "__init__.py").exists()  # dflash is a namespace package
+
+
+def test_editable_install_resolves_to_repository_folders():
+    import dflash.shards
+    assert Path(dflash.shards.__file__).resolve().parent == REPO / "shards"

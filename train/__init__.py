@@ -1,0 +1,1 @@
+"""dflash.train: stage two, train, evaluate and export the DFlash drafter."""
