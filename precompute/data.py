@@ -1,0 +1,378 @@
+"""Stage one's input side: read chat data, normalise records, render them with the target's
+chat template and mark the assistant tokens.
+
+Readers stream `InputRecord`s from JSONL, JSON, Parquet or a `datasets` directory, each
+with a source `{"file", "index"}` that names it in rejected.jsonl and in the cache (for
+JSONL the index is the 0-based line number; elsewhere the 0-based record position).
+A line that is not JSON is an `InputRecord` with an `error`, never an exception, so one bad
+line costs one record.
+
+`normalize_record` accepts four shapes and turns each into either a list of
+`{"role", "content"}` messages or a plain text:
+- `messages`: [{"role", "content"}] (content a string or a list of text parts);
+- `conversations`: ShareGPT [{"from", "value"}], `human`/`user` -> user, `gpt`/`assistant`/
+  `chatgpt`/`model` -> assistant, `system` -> system;
+- `prompt` + `response` (optional `system`): one user turn and one assistant turn;
+- `text`: a plain document, tokenized with the tokenizer's special tokens and trained on
+  every token (no chat template, no assistant turn needed).
+
+The loss mask. `ChatEncoder.encode` renders the conversation to text with the chat
+template, finds each assistant message's content in that text, tokenizes with offsets and
+marks every token whose characters overlap an assistant content span, plus the template's
+end-of-turn token for that turn (the first special token after the content and before the
+next turn starts: `<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3). Template scaffolding
+(role headers, the newline after `<|im_end|>`, a default system prompt) is never marked:
+the mask is exactly what the model writes when it answers. The content is located after
+the rendered generation prompt for that turn (`messages[:i]` with
+`add_generation_prompt=True`), so text that also occurs in an earlier user turn is not
+mistaken for the reply. Rendering prefixes costs two extra template renders per assistant
+turn; it is what makes the mask right for any template that renders the content verbatim.
+A template that rewrites the content (e.g. strips reasoning from earlier turns) leaves it
+unfound and the record is rejected with that reason rather than trained with a wrong mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+class RecordError(ValueError):
+    """A record that cannot be used; `str(error)` is the reason written to rejected.jsonl."""
+
+
+@dataclass
+class InputRecord:
+    """One record as read from an input file."""
+
+    file: str
+    """The input path as given on the command line (or `dir/split` for a DatasetDict)."""
+    index: int
+    """0-based line number (JSONL) or record position (JSON, Parquet, datasets)."""
+    data: Any
+    """The parsed record; None when `error` is set."""
+    error: str | None = None
+    """Why the record could not be read (e.g. invalid JSON)."""
+
+    @property
+    def source(self) -> dict[str, Any]:
+        return {"file": self.file, "index": self.index}
+
+
+# ----------------------------------------------------------------------------- readers
+
+def input_format(path: Path) -> str:
+    """"jsonl", "json", "parquet" or "datasets" for `path`; ValueError when unknown."""
+    if path.is_dir():
+        return "datasets"
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file or directory")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix == ".json":
+        return "json"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(
+        f"--data {path}: unknown format {suffix!r}; give a .jsonl, .json or .parquet file "
+        "or a directory written by datasets' save_to_disk"
+    )
+
+
+def iter_records(paths: Sequence[str | Path], limit: int | None = None) -> Iterator[InputRecord]:
+    """Stream the records of every input in order, at most `limit` in total."""
+    count = 0
+    for path in paths:
+        for record in _iter_one(Path(path), str(path)):
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield record
+
+
+def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
+    fmt = input_format(path)
+    if fmt == "jsonl":
+        yield from _iter_jsonl(path, name)
+    elif fmt == "json":
+        yield from _iter_json(path, name)
+    elif fmt == "parquet":
+        yield from _iter_parquet(path, name)
+    else:
+        yield from _iter_datasets(path, name)
+
+
+def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue  # blank lines are not records
+            try:
+                yield InputRecord(name, index, json.loads(line))
+            except json.JSONDecodeError as e:
+                yield InputRecord(name, index, None, f"invalid JSON on line {index + 1}: {e.msg}")
+
+
+def _iter_json(path: Path, name: str) -> Iterator[InputRecord]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # one JSON value per line under a .json name
+            yield from _iter_jsonl(path, name)
+            return
+        raise ValueError(f"--data {path}: not valid JSON ({e}); fix the file or use JSONL") from e
+    if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
+        data = list(data.values())  # {id: record} mappings, in file order
+    if not isinstance(data, list):
+        raise ValueError(
+            f"--data {path}: a JSON input must be a list of records or an {{id: record}} "
+            f"object, got {type(data).__name__}"
+        )
+    for index, record in enumerate(data):
+        yield InputRecord(name, index, record)
+
+
+def _iter_parquet(path: Path, name: str) -> Iterator[InputRecord]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield InputRecord(name, index, record)
+            index += 1
+
+
+def _iter_datasets(path: Path, name: str) -> Iterator[InputRecord]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"--data {path}: a directory must be a dataset saved with datasets' save_to_disk ({e})"
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = [(str(Path(name) / split), loaded[split]) for split in sorted(loaded)]
+    else:
+        splits = [(name, loaded)]
+    for split_name, dataset in splits:
+        for index, record in enumerate(dataset):
+            yield InputRecord(split_name, index, record)
+
+
+def input_sha256(path: str | Path) -> str:
+    """sha256 of an input file, or of a directory's files (sorted relative paths and bytes)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- records
+
+def normalize_record(data: Any) -> list[dict[str, str]] | str:
+    """A record as chat messages [{"role", "content"}] or, for `text` records, a string.
+
+    Raises RecordError with the reason when a field is missing or malformed or the
+    conversation has no assistant turn.
+    """
+    if not isinstance(data, dict):
+        raise RecordError(f"record is a {type(data).__name__}, not an object")
+    if data.get("messages") is not None:
+        messages = [_message(m, i, "messages", "role", "content") for i, m in enumerate(_list(data, "messages"))]
+    elif data.get("conversations") is not None:
+        messages = [_message(m, i, "conversations", "from", "value")
+                    for i, m in enumerate(_list(data, "conversations"))]
+    elif data.get("prompt") is not None or data.get("response") is not None:
+        messages = []
+        if data.get("system") is not None:
+            messages.append({"role": "system", "content": _text(data["system"], "system")})
+        messages.append({"role": "user", "content": _text(data.get("prompt"), "prompt")})
+        messages.append({"role": "assistant", "content": _text(data.get("response"), "response")})
+    elif data.get("text") is not None:
+        text = _text(data["text"], "text")
+        if not text:
+            raise RecordError("field 'text' is empty")
+        return text
+    else:
+        raise RecordError(
+            "record has none of the fields 'messages', 'conversations', 'prompt'+'response', 'text'"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError("conversation has no assistant turn")
+    return messages
+
+
+def _list(data: dict, key: str) -> list:
+    value = data[key]
+    if not isinstance(value, list) or not value:
+        raise RecordError(f"field '{key}' must be a non-empty list")
+    return value
+
+
+def _message(item: Any, i: int, field: str, role_key: str, content_key: str) -> dict[str, str]:
+    if not isinstance(item, dict):
+        raise RecordError(f"{field}[{i}] is not an object")
+    role = item.get(role_key)
+    if not isinstance(role, str):
+        raise RecordError(f"{field}[{i}] has no '{role_key}'")
+    if field == "conversations":
+        if role.lower() not in ROLE_ALIASES:
+            raise RecordError(f"{field}[{i}].from is {role!r}, expected one of {sorted(ROLE_ALIASES)}")
+        role = ROLE_ALIASES[role.lower()]
+    return {"role": role, "content": _text(item.get(content_key), f"{field}[{i}].{content_key}")}
+
+
+def _text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)  # OpenAI-style text parts
+    if value is None:
+        raise RecordError(f"field '{where}' is missing")
+    raise RecordError(f"field '{where}' must be a string, got {type(value).__name__}")
+
+
+# ----------------------------------------------------------------------------- encoding
+
+@dataclass
+class Encoded:
+    """A tokenized record."""
+
+    input_ids: np.ndarray
+    """[T] int32 token ids, T <= max_length."""
+    loss_mask: np.ndarray
+    """[T] bool, True on the assistant tokens (every token for `text` records)."""
+    truncated: bool
+    """Whether the rendering was longer than max_length and was cut."""
+
+
+class ChatEncoder:
+    """Renders records with a tokenizer's chat template and builds the assistant loss mask.
+
+    Needs a fast tokenizer (character offsets); `max_length` cuts longer sequences.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
+                "character offsets: give the target a tokenizer.json"
+            )
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        special = set(tokenizer.all_special_ids)
+        special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+        self.special_ids = special
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The chat template's text for `messages`; RecordError when the template refuses."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("the target's tokenizer has no chat template; give one or use 'text' records")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja's raise_exception and template errors
+            raise RecordError(f"chat template failed: {e}") from e
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` followed by the template's generation prompt."""
+        text = self.render(messages, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode(self, conversation: list[dict[str, str]] | str) -> Encoded:
+        """Tokenize a normalised record; RecordError when no trained token survives."""
+        if isinstance(conversation, str):
+            ids = np.asarray(self.tokenizer(conversation)["input_ids"], dtype=np.int32)  # [T]
+            mask = np.ones(len(ids), dtype=bool)  # [T]
+        else:
+            ids, mask = self._encode_chat(conversation)
+        truncated = len(ids) > self.max_length
+        ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not mask.any():
+            if truncated:
+                raise RecordError(
+                    f"no assistant token within the first {self.max_length} tokens (--max-length)"
+                )
+            raise RecordError("no token to train on after tokenization")
+        return Encoded(input_ids=ids, loss_mask=mask, truncated=truncated)
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        full = self.render(messages)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)  # [T]
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [T, 2]
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        mask = np.zeros(len(ids), dtype=bool)  # [T]
+        cursor = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            begin, end = self._content_span(messages, i, full, cursor)
+            mask |= (starts < end) & (ends > begin)
+            turn_end = self._turn_end(messages, i, full)
+            # The end-of-turn token: the first non-whitespace token after the content, if it
+            # is a special token that starts before the next turn.
+            j = int(np.searchsorted(starts, end, side="left"))
+            while j < len(ids) and starts[j] < turn_end and ids[j] not in self.special_ids \
+                    and not full[starts[j]:ends[j]].strip():
+                j += 1
+            if j < len(ids) and starts[j] < turn_end and ids[j] in self.special_ids:
+                mask[j] = True
+            cursor = end
+        return ids, mask
+
+    def _content_span(self, messages: list[dict[str, str]], i: int, full: str, cursor: int) -> tuple[int, int]:
+        if i == 0:
+            start = 0
+        else:
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            start = len(prompt) if full.startswith(prompt) else _common_prefix_len(prompt, full)
+        start = max(start, cursor)
+        content = messages[i]["content"]
+        for candidate in (content, content.strip()):
+            pos = full.find(candidate, start)
+            if pos >= 0:
+                return pos, pos + len(candidate)
+        raise RecordError(
+            f"message {i} (assistant) does not appear verbatim in the chat template's rendering"
+        )
+
+    def _turn_end(self, messages: list[dict[str, str]], i: int, full: str) -> int:
+        if i + 1 == len(messages):
+            return len(full)
+        upto = self.render(messages[: i + 1])
+        return len(upto) if full.startswith(upto) else len(full)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(np.frombuffer(a[:n].encode("utf-32-le"), dtype=np.uint32)
+                              != np.frombuffer(b[:n].encode("utf-32-le"), dtype=np.uint32))
+    return int(mismatch[0]) if len(mismatch) else n

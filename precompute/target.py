@@ -1,0 +1,369 @@
+"""The target model in stage one: loading with early checks, the capturing forward with a
+chunked top-k, batched generation, and the `CACHE/target/` folder stage two reads.
+
+Forward. Forward hooks on the chosen decoder layers keep only those layers' outputs (never
+`output_hidden_states`, which holds every layer alive). The base model's last hidden state
+goes through the LM head one chunk of positions at a time: logits in the model's dtype,
+then log-softmax in fp32 and `torch.topk`, so neither a [batch, T, V] logits tensor nor an
+fp32 copy of it ever exists, and only real (non-padding) positions are computed. Whether
+the LM head applied to the base model's output reproduces the model's own logits is
+checked once at load on a short probe (a model with logit soft-capping or scaling fails
+it); such a model falls back to its own full forward, still with the fp32 work chunked.
+
+Batches are right-padded with an attention mask: a sequence's positions attend only to
+earlier real positions and start at position 0, so its values do not depend on its batch
+mates (up to the reduction order of the matmuls). Generation left-pads, as decoding needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.shards import default_layer_ids
+
+# fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
+TOPK_CHUNK_BYTES = 2**28
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+
+
+@dataclass
+class TargetOutput:
+    """What the target computed for one sequence of T tokens."""
+
+    features: np.ndarray
+    """[T, L, H] float32, or uint16 bf16 bit patterns when the target runs in bf16."""
+    topk_ids: np.ndarray
+    """[T, k] int32: the k most likely next tokens at each position, most likely first."""
+    topk_logprobs: np.ndarray
+    """[T, k] float32: their full-vocabulary log-probabilities."""
+
+
+@dataclass
+class Generated:
+    """One generated reply."""
+
+    token_ids: list[int]
+    """The new tokens, without the end-of-sequence token."""
+    finished: bool
+    """True when the model ended the reply itself; False when cut at its token budget."""
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """"auto" -> cuda:local_rank when CUDA is available, else cpu."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda but CUDA is not available: use --device cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): "
+            "start at most one process per GPU"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on GPU (where it is the native speed), float32 on CPU."""
+    names = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in names:
+        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    return names[dtype]
+
+
+def file_sha256(paths: list[Path]) -> str:
+    """sha256 over the names and bytes of `paths` (in the given order)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def check_target_dir(path: Path, trust_remote_code: bool) -> Any:
+    """Load the config of `path` and check that it is a causal LM; returns the config.
+
+    Raises ValueError naming the directory when it is missing, has no config.json, or is
+    not a model AutoModelForCausalLM loads.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not path.is_dir():
+        raise ValueError(f"--target {path}: no such directory (give a Hugging Face model folder)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--target {path}: no config.json, not a Hugging Face model folder")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"--target {path}: cannot read config.json ({e})") from e
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not (remote and trust_remote_code):
+        hint = " (it has remote code: pass --trust-remote-code)" if remote else ""
+        raise ValueError(
+            f"--target {path}: model_type {config.model_type!r} is not a causal language model "
+            f"that AutoModelForCausalLM can load{hint}"
+        )
+    return config
+
+
+def resolve_layer_ids(layer_ids: list[int] | None, num_feature_layers: int, num_layers: int,
+                      where: str) -> list[int]:
+    """The explicit ids checked against the target's depth, or the DFlash rule's ids."""
+    if layer_ids is None:
+        return default_layer_ids(num_layers, num_feature_layers)
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"--feature-layers {','.join(map(str, layer_ids))}: {bad} out of range for {where}, "
+            f"which has {num_layers} decoder layers (ids 0..{num_layers - 1})"
+        )
+    return list(layer_ids)
+
+
+class Target:
+    """A causal LM that returns chosen layers' features and the top-k of its next-token
+    distribution per position, and generates replies."""
+
+    def __init__(self, path: Path, *, layer_ids: list[int] | None, num_feature_layers: int,
+                 top_k: int, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.path = Path(path)
+        config = check_target_dir(self.path, trust_remote_code)
+        text_config = config.get_text_config()
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(text_config.vocab_size)
+        self.layer_ids = resolve_layer_ids(layer_ids, num_feature_layers, self.num_layers,
+                                           f"--target {self.path}")
+        if not 1 <= top_k <= self.vocab_size:
+            raise ValueError(f"--top-k must be in [1, {self.vocab_size}] for this target, got {top_k}")
+        self.top_k = top_k
+        self.device, self.dtype = device, dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval()
+        self.config = self.model.config
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture = False
+        layers = _decoder_layers(self.model, self.num_layers)
+        for layer_id in self.layer_ids:
+            layers[layer_id].register_forward_hook(self._hook(layer_id))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.head_path = self._head_reproduces_logits()
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, output):
+            if self._capture:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def _head_reproduces_logits(self) -> bool:
+        base, head = self.model.base_model, self.model.get_output_embeddings()
+        if base is self.model or head is None:
+            return False
+        ids = torch.arange(min(8, self.vocab_size), device=self.device)[None]  # [1, 8]
+        reference = self.model(input_ids=ids, use_cache=False).logits.float()  # [1, 8, V]
+        mine = head(base(input_ids=ids, use_cache=False).last_hidden_state).float()
+        scale = reference.abs().max().clamp_min(1.0)
+        return bool(((mine - reference).abs().max() <= 1e-2 * scale).item())
+
+    @torch.inference_mode()
+    def forward(self, sequences: list[np.ndarray], names: list[str]) -> list[TargetOutput]:
+        """Features and top-k for each sequence ([T_b] int token ids) of one batch.
+
+        `names` label the sequences in errors: a non-finite feature or log-probability
+        raises ValueError naming the sequence.
+        """
+        lengths = [len(s) for s in sequences]
+        batch, width = len(sequences), max(lengths)
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, T]
+        attention = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+        for b, seq in enumerate(sequences):
+            ids[b, : len(seq)] = torch.from_numpy(np.asarray(seq, dtype=np.int64))
+            attention[b, : len(seq)] = 1
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        valid = attention.bool()  # [B, T]
+        self._capture = True
+        try:
+            if self.head_path:
+                hidden = self.model.base_model(input_ids=ids, attention_mask=attention,
+                                               use_cache=False).last_hidden_state[valid]  # [N, H]
+                head = self.model.get_output_embeddings()
+                logits_of = lambda rows: head(hidden[rows])  # noqa: E731  [n, V] model dtype
+            else:
+                logits = self.model(input_ids=ids, attention_mask=attention,
+                                    use_cache=False).logits[valid]  # [N, V]
+                logits_of = lambda rows: logits[rows]  # noqa: E731
+            features = torch.stack([self._captured[i][valid] for i in self.layer_ids], dim=1)  # [N, L, H]
+        finally:
+            self._capture = False
+            self._captured.clear()
+        starts = np.cumsum([0] + lengths)
+        if not torch.isfinite(features).all():
+            row = int((~torch.isfinite(features)).flatten(1).any(1).nonzero()[0])
+            raise ValueError(f"{names[_owner(starts, row)]}: non-finite target feature at position "
+                             f"{row - starts[_owner(starts, row)]}")
+        total = int(starts[-1])
+        topk_ids = torch.empty((total, self.top_k), dtype=torch.int32, device=self.device)  # [N, k]
+        topk_logprobs = torch.empty((total, self.top_k), dtype=torch.float32, device=self.device)  # [N, k]
+        rows_per_chunk = max(1, TOPK_CHUNK_BYTES // (4 * self.vocab_size))
+        for lo in range(0, total, rows_per_chunk):
+            rows = slice(lo, min(lo + rows_per_chunk, total))
+            logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)  # [n, V] fp32
+            values, indices = torch.topk(logprobs, self.top_k, dim=-1)  # [n, k]
+            topk_logprobs[rows], topk_ids[rows] = values, indices.int()
+        if not torch.isfinite(topk_logprobs).all():
+            row = int((~torch.isfinite(topk_logprobs)).any(1).nonzero()[0])
+            raise ValueError(f"{names[_owner(starts, row)]}: non-finite target log-probability at "
+                             f"position {row - starts[_owner(starts, row)]}")
+        features_np = _features_to_numpy(features)
+        ids_np, logprobs_np = topk_ids.cpu().numpy(), topk_logprobs.cpu().numpy()
+        return [TargetOutput(features=features_np[a:b], topk_ids=ids_np[a:b], topk_logprobs=logprobs_np[a:b])
+                for a, b in zip(starts[:-1], starts[1:])]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float,
+                 seed: int) -> list[Generated]:
+        """Continue each prompt (left-padded into one batch) until an end-of-sequence token or
+        its own `max_new_tokens`. Greedy at temperature 0; otherwise sampled from
+        softmax(logits / temperature) with the full vocabulary, seeded with `seed`."""
+        from transformers import GenerationConfig
+
+        if not self.eos_ids:
+            raise ValueError("the target defines no end-of-sequence token; regeneration cannot stop")
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, P]
+        attention = torch.zeros((batch, width), dtype=torch.long)  # [B, P]
+        for b, prompt in enumerate(prompts):
+            ids[b, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention[b, width - len(prompt):] = 1
+        # Every sampling knob is set explicitly: the target's generation_config.json often
+        # asks for sampling with top-k/top-p, which must not leak into greedy regeneration.
+        sample = temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=max(max_new_tokens), do_sample=sample,
+            temperature=temperature if sample else None, top_k=0 if sample else None,
+            top_p=1.0 if sample else None, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        if sample:
+            torch.manual_seed(seed)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                  generation_config=config)  # [B, P + new]
+        results = []
+        for b, row in enumerate(out[:, width:].tolist()):
+            row = row[: max_new_tokens[b]]
+            end = next((j for j, tok in enumerate(row) if tok in self.eos_ids), None)
+            results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
+        return results
+
+    def identity(self) -> dict[str, Any]:
+        """CacheSpec.target: what identifies this target and how it ran."""
+        return {
+            "name": self.path.name,
+            "architecture": (self.config.architectures or [type(self.model).__name__])[0],
+            "model_type": self.config.model_type,
+            "num_layers": self.num_layers,
+            "config_sha256": file_sha256([self.path / "config.json"]),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def tokenizer_sha256(self) -> str:
+        return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
+
+    def write_target_dir(self, out: Path) -> None:
+        """Write `out` (CACHE/target): config, tokenizer, generation config, head.safetensors
+        (embedding and LM head, both always present, in the run's dtype) and target.json.
+        Written under a temporary name and renamed, so `out` is complete or absent."""
+        from safetensors.torch import save_file
+
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        self.config.save_pretrained(partial)
+        self.tokenizer.save_pretrained(partial)
+        if (self.path / "generation_config.json").is_file():
+            self.model.generation_config.save_pretrained(partial)
+        embed = self.model.get_input_embeddings().weight.detach()  # [V, H]
+        head = self.model.get_output_embeddings().weight.detach()  # [V, H]
+        # Cloned separately: safetensors refuses tensors that share memory (tied weights).
+        save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
+                   "lm_head.weight": head.cpu().clone().contiguous()}, partial / "head.safetensors")
+        text_config = self.config.get_text_config()
+        rope = getattr(text_config, "rope_parameters", None) or {}
+        info = {
+            "layer_ids": self.layer_ids,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": bool(getattr(text_config, "tie_word_embeddings", False)),
+            "model_type": self.config.model_type,
+            "mask_token_id": self.tokenizer.mask_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": text_config.eos_token_id,
+            "bos_token_id": text_config.bos_token_id,
+            "rms_norm_eps": getattr(text_config, "rms_norm_eps", None),
+            "rope_theta": rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+        with open(partial / "target.json", "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        stale = out.with_name(out.name + ".stale")
+        if out.exists():
+            os.replace(out, stale)
+        os.replace(partial, out)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    layers = getattr(model.base_model, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for module in model.modules():  # other layouts (e.g. GPT-2's `h`)
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
+                  tokenizer.eos_token_id):
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _owner(starts: np.ndarray, row: int) -> int:
+    """Index of the sequence holding flattened row `row`."""
+    return int(np.searchsorted(starts, row, side="right") - 1)
+
+
+def _features_to_numpy(features: torch.Tensor) -> np.ndarray:
+    """[N, L, H] on any device -> numpy: bf16 as its uint16 bit patterns (no widening), else float32."""
+    if features.dtype == torch.bfloat16:
+        return features.view(torch.int16).cpu().numpy().view(np.uint16)
+    return features.float().cpu().numpy()
