@@ -1,0 +1,396 @@
+"""The data plan and the batch reader: which blocks each rank trains on, and reading them.
+
+The plan is a pure function of (the caches' per-sequence anchor counts, seed, epoch, step,
+world size): no state to save beyond (epoch, step), no queue, no worker, no thread.
+
+- A fixed held-out set: the `ceil(fraction * N)` sequences with the smallest
+  `splitmix64(seed, global index)` hash. Never trained on; the same for every world size.
+- Anchors: a block starts at an eligible position a (`eligible_anchors`) and covers
+  a..a+B-1. Per (seed, epoch, sequence) a stateless generator `np.random.default_rng([seed,
+  epoch, sequence])` picks `min(anchors_per_seq, eligible)` of them without replacement;
+  they are sorted. The count per sequence is known without drawing, so the plan only needs
+  the counts (`Corpus.num_eligible`, computed once from the loss masks).
+- An epoch is the stream of blocks (sequence, i-th anchor) over a per-epoch permutation of
+  the training sequences (`np.random.default_rng([seed, epoch])`). Step s takes the next
+  `tokens_per_step // B` blocks, and rank r the r-th of `world_size` contiguous, equal slices
+  of them (lengths differ by at most one block). A sequence can straddle two ranks or two
+  steps: each part reads its own context rows. That costs a few duplicated context reads per
+  step and buys exactly equal work per rank with no dropped data. The last step of an epoch
+  takes the remainder (dropped only if it has fewer blocks than ranks).
+- Labels (the alignment peers got wrong): block position k (1..B-1) predicts x[a+k]; its
+  label is the cached distribution at position a+k-1 (the target's prediction for token
+  a+k); weight `loss_mask[a+k] * exp(-(k-1)/gamma)`, 0 when a+k >= T. The context of the
+  block is the features at positions < a.
+
+Reading (`read_batch`): for each of the rank's segments, the row is opened through the
+memory-mapped shard (`cache.raw(i)`), the context features [0, max anchor) are copied out
+of the mapping, the label rows gathered. Cost is a memory copy of the context rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Stream key for held-out evaluation anchors; training epochs use their own index.
+EVAL_STREAM = 2**31 - 1
+
+
+def decay_gamma(block_size: int) -> float:
+    """The paper's gamma for w_k = exp(-(k-1)/gamma): 4 for B=8, 5 for B=10, 7 for B=16.
+
+    Other block sizes: piecewise-linear through those three points, extended beyond them by
+    the end segments' slopes (1/2 below 8, 1/3 above 16), floored at 1. So B=12 gives 5.67,
+    B=32 gives 12.33, B=4 gives 2.
+    """
+    if block_size <= 10:
+        gamma = 4.0 + (block_size - 8) / 2.0
+    else:
+        gamma = 5.0 + (block_size - 10) / 3.0
+    return max(1.0, gamma)
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """[B] float32: 0 for the anchor (k=0), exp(-(k-1)/gamma) for k = 1..B-1."""
+    k = np.arange(block_size, dtype=np.float64)
+    weights = np.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights.astype(np.float32)
+
+
+def eligible_anchors(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions a that may start a block: [n] int64.
+
+    a >= 1 (at least one context position), loss_mask[a] (the anchor is a reply token, as the
+    committed token at inference is), and a+1 < T with loss_mask[a+1] (at least one labelled
+    position, else the block only costs compute).
+    """
+    mask = np.asarray(loss_mask, dtype=bool)
+    ok = np.zeros(mask.shape[0], dtype=bool)
+    if mask.shape[0] >= 3:
+        ok[1:-1] = mask[1:-1] & mask[2:]
+    return np.flatnonzero(ok).astype(np.int64)
+
+
+def draw_anchors(loss_mask: np.ndarray, num_anchors: int, seed: int, stream: int, sequence: int) -> np.ndarray:
+    """The sorted anchors of `sequence` for `stream` (an epoch, or EVAL_STREAM): [n] int64.
+
+    n = min(num_anchors, eligible). Stateless: the same arguments give the same anchors in
+    any process, in any order of calls.
+    """
+    candidates = eligible_anchors(loss_mask)
+    n = min(num_anchors, candidates.shape[0])
+    rng = np.random.default_rng([seed, stream, sequence])
+    picked = rng.choice(candidates.shape[0], size=n, replace=False)
+    return np.sort(candidates[picked])
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """Vectorised splitmix64 finaliser over uint64: a well-mixed stateless hash."""
+    with np.errstate(over="ignore"):
+        z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def held_out_mask(num_sequences: int, fraction: float, seed: int) -> np.ndarray:
+    """[N] bool: the ceil(fraction * N) sequences with the smallest hash of (seed, index)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {fraction}")
+    mask = np.zeros(num_sequences, dtype=bool)
+    count = math.ceil(fraction * num_sequences)
+    if count == 0:
+        return mask
+    keys = _splitmix64(np.arange(num_sequences, dtype=np.uint64) ^ _splitmix64(np.array([seed], np.uint64)))
+    mask[np.argsort(keys, kind="stable")[:count]] = True
+    return mask
+
+
+# ---------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A rank's share of one sequence in one step: its anchors [first, first+count) (sorted)."""
+
+    sequence: int
+    first: int
+    count: int
+
+
+@dataclass
+class DataPlan:
+    """Which blocks every rank trains on at every step.
+
+    num_eligible [N]: eligible anchors per sequence (global index over the caches);
+    held_out [N] bool. Sequences with no eligible anchor are skipped.
+    """
+
+    num_eligible: np.ndarray
+    held_out: np.ndarray
+    block_size: int
+    anchors_per_seq: int
+    tokens_per_step: int
+    seed: int
+    world_size: int
+    _epoch_cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_step < self.block_size * self.world_size:
+            raise ValueError(
+                f"tokens_per_step ({self.tokens_per_step}) must hold at least one block of "
+                f"{self.block_size} tokens per rank ({self.world_size} ranks)"
+            )
+        blocks = np.minimum(self.num_eligible, self.anchors_per_seq).astype(np.int64)  # [N]
+        self.blocks_per_sequence = np.where(self.held_out, 0, blocks)
+        self.train_sequences = np.flatnonzero(self.blocks_per_sequence > 0)  # [N_train]
+        self.blocks_per_step = self.tokens_per_step // self.block_size
+        self.blocks_per_epoch = int(self.blocks_per_sequence.sum())
+        full, rest = divmod(self.blocks_per_epoch, self.blocks_per_step)
+        self.steps_per_epoch = full + (1 if rest >= self.world_size else 0)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set holds {self.blocks_per_epoch} blocks, fewer than one per rank "
+                f"({self.world_size}): add data, lower eval_fraction, or use fewer ranks"
+            )
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order [N_train] sequence ids, end [N_train] cumulative blocks) of an epoch."""
+        if epoch not in self._epoch_cache:
+            self._epoch_cache.clear()  # one epoch at a time: O(N) memory
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.train_sequences)
+            self._epoch_cache[epoch] = (order, np.cumsum(self.blocks_per_sequence[order]))
+        return self._epoch_cache[epoch]
+
+    def step_blocks(self, step: int) -> tuple[int, int]:
+        """[start, stop) of step `step` in the epoch's block stream."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside the epoch's {self.steps_per_epoch} steps")
+        start = step * self.blocks_per_step
+        return start, min(start + self.blocks_per_step, self.blocks_per_epoch)
+
+    def rank_blocks(self, step: int, rank: int) -> tuple[int, int]:
+        """[start, stop) of rank `rank`'s equal share of the step's blocks."""
+        start, stop = self.step_blocks(step)
+        n = stop - start
+        return start + n * rank // self.world_size, start + n * (rank + 1) // self.world_size
+
+    def segments(self, epoch: int, step: int, rank: int) -> list[Segment]:
+        """The rank's segments at (epoch, step), in stream order."""
+        start, stop = self.rank_blocks(step, rank)
+        return self._segments(epoch, start, stop)
+
+    def step_segments(self, epoch: int, step: int) -> list[Segment]:
+        """Every rank's segments at (epoch, step) (for spike logs: the whole global batch)."""
+        return self._segments(epoch, *self.step_blocks(step))
+
+    def _segments(self, epoch: int, start: int, stop: int) -> list[Segment]:
+        order, end = self._epoch(epoch)
+        segments = []
+        i = int(np.searchsorted(end, start, side="right"))
+        position = start
+        while position < stop:
+            first_block_of_seq = int(end[i] - self.blocks_per_sequence[order[i]])
+            take = min(stop, int(end[i])) - position
+            segments.append(Segment(int(order[i]), position - first_block_of_seq, take))
+            position += take
+            i += 1
+        return segments
+
+
+# ---------------------------------------------------------------------------------------
+# The caches, as one corpus
+# ---------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """One or more caches seen as one list of sequences (global index = concatenation order).
+
+    `num_eligible` [N] counts each sequence's eligible anchors. It needs every loss mask
+    once; it is computed at the first start and stored in `index_dir` (the run folder),
+    keyed by the caches' identities, so a resume reads no row before its first step.
+    """
+
+    def __init__(self, caches: list, index_dir: Path | None = None):
+        if not caches:
+            raise ValueError("no cache given: pass at least one --cache")
+        self.caches = caches
+        self.spec = caches[0].spec
+        for cache in caches[1:]:
+            check_compatible(self.spec, cache.spec, cache)
+        sizes = np.array([len(c) for c in caches], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # [num_caches + 1]
+        self.lengths = np.concatenate([np.asarray(c.lengths, dtype=np.int64) for c in caches])  # [N]
+        self.num_eligible = self._eligible_counts(index_dir)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, sequence: int) -> tuple[object, int]:
+        """(cache, index in that cache) of a global sequence index."""
+        c = int(np.searchsorted(self.offsets, sequence, side="right")) - 1
+        return self.caches[c], sequence - int(self.offsets[c])
+
+    def source(self, sequence: int) -> dict:
+        cache, index = self.locate(sequence)
+        return {"cache": str(cache.path), "sequence": index, **cache.source(index)}
+
+    def fingerprint(self) -> str:
+        """sha256 over the caches' spec identities and sizes (what num_eligible depends on)."""
+        parts = [{"identity": c.spec.identity(), "num_sequences": len(c),
+                  "lengths_sha256": hashlib.sha256(np.asarray(c.lengths, np.int64).tobytes()).hexdigest()}
+                 for c in self.caches]
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    def _eligible_counts(self, index_dir: Path | None) -> np.ndarray:
+        path = None if index_dir is None else Path(index_dir) / "anchor_index.npz"
+        fingerprint = self.fingerprint()
+        if path is not None and path.exists():
+            stored = np.load(path)
+            if str(stored["fingerprint"]) == fingerprint:
+                return stored["num_eligible"]
+        counts = np.empty(len(self), dtype=np.int64)  # [N]
+        for s in range(len(self)):
+            cache, index = self.locate(s)
+            counts[s] = eligible_anchors(cache.raw(index).loss_mask).shape[0]
+        if path is not None:
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, fingerprint=np.array(fingerprint), num_eligible=counts)
+            tmp.replace(path)
+        return counts
+
+
+def check_compatible(spec, other, cache) -> None:
+    """Refuse to mix caches whose rows cannot train one drafter together."""
+    for name in ("vocab_size", "hidden_size", "layer_ids", "top_k", "tokenizer_sha256"):
+        if getattr(spec, name) != getattr(other, name):
+            raise ValueError(
+                f"cache {cache.path} differs from the first cache in {name} "
+                f"({getattr(other, name)!r} vs {getattr(spec, name)!r}): caches trained together "
+                "must come from the same target, layers, tokenizer and top-k"
+            )
+    if spec.target.get("config_sha256") != other.target.get("config_sha256"):
+        raise ValueError(f"cache {cache.path} was built from a different target (config_sha256 differs)")
+
+
+# ---------------------------------------------------------------------------------------
+# Reading a batch
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """One rank's share of a step, on the host (pinned when `pin` was asked for).
+
+    Rows of the drafter's output: block b's position k is row b*B+k. Label rows are the
+    block positions with a nonzero weight.
+    """
+
+    segments: list[tuple[int, np.ndarray]]  # (context length, anchors [n]) per segment
+    block_ids: torch.Tensor  # [Q] int64: x[a] then mask ids, block-major
+    context_features: torch.Tensor  # [C, L*H] bf16 (or float32 for fp8 caches, after scaling)
+    label_rows: torch.Tensor  # [N] int64, into the Q drafter rows
+    label_positions: torch.Tensor  # [N] int64, block position k in 1..B-1
+    topk_ids: torch.Tensor  # [N, k] int64
+    topk_logprobs: torch.Tensor  # [N, k] float32
+    weights: torch.Tensor  # [N] float32, exp(-(k-1)/gamma)
+    sequences: list[int]  # global sequence index per segment
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def to(self, device: torch.device) -> Batch:
+        """Tensors moved to `device` (non-blocking from pinned memory)."""
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSORS}
+        return Batch(segments=self.segments, sequences=self.sequences, **moved)
+
+
+_TENSORS = ("block_ids", "context_features", "label_rows", "label_positions", "topk_ids",
+            "topk_logprobs", "weights")
+
+
+def decode_features(raw, spec, stop: int) -> np.ndarray:
+    """Context features of positions [0, stop) of a raw row: [stop, L, H].
+
+    bf16 caches: uint16 bit patterns (a copy out of the mapping); fp8: float32 after the
+    per-token scales.
+    """
+    if spec.feature_codec == "bf16":
+        return np.array(raw.features[:stop])  # [stop, L, H] uint16 (bf16 bits)
+    codes = torch.from_numpy(np.array(raw.features[:stop])).view(torch.float8_e4m3fn).float()
+    scales = torch.from_numpy(np.asarray(raw.feature_scales[:stop], dtype=np.float32))
+    while scales.dim() < codes.dim():
+        scales = scales[..., None]
+    return (codes * scales).numpy()
+
+
+def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anchors: int,
+               seed: int, block_size: int, gamma: float, mask_token_id: int, pin: bool = False) -> Batch:
+    """Read the rows of `segments` from the memory-mapped shards and lay out a batch.
+
+    stream: the epoch (or EVAL_STREAM) the anchors are drawn for; plan_anchors: the cap on
+    anchors per sequence (anchors_per_seq).
+    """
+    B = block_size
+    weights_k = position_weights(B, gamma)  # [B]
+    layout_segments, sequences = [], []
+    block_ids, features = [], []
+    label_rows, label_positions, topk_ids, topk_logprobs, weights = [], [], [], [], []
+    row0 = 0
+    for seg in segments:
+        cache, index = corpus.locate(seg.sequence)
+        raw = cache.raw(index)
+        loss_mask = np.asarray(raw.loss_mask, dtype=bool)  # [T]
+        T = loss_mask.shape[0]
+        anchors = draw_anchors(loss_mask, plan_anchors, seed, stream, seg.sequence)[seg.first:seg.first + seg.count]
+        assert anchors.shape[0] == seg.count, "the plan's anchor count disagrees with the row"
+        context_length = int(anchors[-1])  # positions < the last anchor are all anyone sees
+        layout_segments.append((context_length, anchors))
+        sequences.append(seg.sequence)
+        features.append(decode_features(raw, corpus.spec, context_length))
+        ids = np.full((anchors.shape[0], B), mask_token_id, dtype=np.int64)  # [n, B]
+        ids[:, 0] = np.asarray(raw.input_ids)[anchors]
+        block_ids.append(ids.reshape(-1))
+        # Labels: block position k predicts x[a+k] from the distribution cached at a+k-1.
+        target = anchors[:, None] + np.arange(B)[None, :]  # [n, B] positions a+k
+        valid = target < T
+        valid[valid] = loss_mask[target[valid]]
+        valid[:, 0] = False
+        blocks, ks = np.nonzero(valid)  # [N_seg] each
+        label_at = anchors[blocks] + ks - 1  # [N_seg] positions a+k-1
+        label_rows.append(row0 + blocks * B + ks)
+        label_positions.append(ks)
+        topk_ids.append(np.asarray(raw.topk_ids)[label_at])
+        topk_logprobs.append(np.asarray(raw.topk_logprobs)[label_at])
+        weights.append(weights_k[ks])
+        row0 += anchors.shape[0] * B
+    L, H = corpus.spec.num_layers, corpus.spec.hidden_size
+    if corpus.spec.feature_codec == "bf16":
+        context = torch.from_numpy(np.concatenate(features)).view(torch.bfloat16)
+    else:
+        context = torch.from_numpy(np.concatenate(features))
+    batch = Batch(
+        segments=layout_segments,
+        block_ids=torch.from_numpy(np.concatenate(block_ids)),
+        context_features=context.reshape(-1, L * H),
+        label_rows=torch.from_numpy(np.concatenate(label_rows).astype(np.int64)),
+        label_positions=torch.from_numpy(np.concatenate(label_positions).astype(np.int64)),
+        topk_ids=torch.from_numpy(np.concatenate(topk_ids).astype(np.int64)),
+        topk_logprobs=torch.from_numpy(np.concatenate(topk_logprobs).astype(np.float32)),
+        weights=torch.from_numpy(np.concatenate(weights)),
+        sequences=sequences,
+    )
+    if pin:
+        for name in _TENSORS:
+            setattr(batch, name, getattr(batch, name).pin_memory())
+    return batch
