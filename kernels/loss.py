@@ -1,0 +1,147 @@
+"""`sparse_kl_loss`: the drafter's loss against a cached teacher top-k, LM head fused in.
+
+This file is the public entry point: it checks the inputs, picks the implementation at call
+time (never at import: a macOS install without triton still imports this package), runs the
+vocabulary pass (`reference.py` for naive/torch, `sparse_kl.py` for triton) and reduces the
+per-row losses of `reference.row_losses`. The math and the gradient split are documented in
+`reference.py`; the Triton kernels and their bounded workspace in `sparse_kl.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import chunked_lse_gather, default_workspace_bytes, naive_lse_gather, row_losses
+
+IMPLS = ("auto", "triton", "torch", "naive")
+TAILS = ("bucket", "renorm")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def sparse_kl_loss(
+    hidden: torch.Tensor,  # [N, H] fp32/bf16: the drafter's final hidden states
+    weight: torch.Tensor,  # [V, H] same dtype: the LM head (dW only if it requires grad)
+    topk_ids: torch.Tensor,  # [N, k] integer: the teacher's top-k ids, distinct per row
+    topk_logprobs: torch.Tensor,  # [N, k] float: teacher log-probs over the full vocabulary
+    weights: torch.Tensor | None = None,  # [N] float >= 0: per-row weight; None = ones
+    *,
+    tail: str = "bucket",
+    impl: str = "auto",
+    reduction: str = "mean",
+    ce_targets: torch.Tensor | None = None,  # [N] integer: hard labels for the CE term
+    ce_weight: float = 0.0,
+    return_argmax: bool = False,
+    tail_mass: torch.Tensor | None = None,  # [N] float: teacher tail; None = max(0, 1 - sum q)
+    workspace_bytes: int | None = None,
+    triton_config=None,
+):
+    """Sparse KL of the student softmax(hidden @ weight.T) to the teacher's top-k (+ tail).
+
+    Row loss: tail="bucket" treats the teacher's tail mass as one extra class against the
+    student's mass outside the ids; tail="renorm" renormalises both over the ids. With
+    ce_weight != 0, `ce_weight * cross_entropy(logits, ce_targets)` is added to each row.
+    reduction="mean" returns sum(w * row) / sum(w) (0 when all weights are 0), "sum" returns
+    sum(w * row), "none" the [N] rows w * row (rows of weight 0 are exactly 0 and get zero
+    gradient whatever their teacher values). Ids must lie in [0, V).
+
+    impl: "naive" materialises the [N, V] logits; "torch" is chunked over rows (peak extra
+    memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 2 GiB on
+    CUDA); "triton" never forms logits in the forward (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1); "auto" is triton for CUDA tensors, torch otherwise.
+
+    Returns the loss (a scalar, or [N] for reduction="none"), and with return_argmax=True
+    a tuple (loss, argmax) where argmax [N] int64 is the student's greedy token per row,
+    found in the same vocabulary pass (first index among exact ties).
+    """
+    _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass)
+    if tail not in TAILS:
+        raise ValueError(f"sparse_kl_loss: tail={tail!r}; use one of {TAILS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"sparse_kl_loss: reduction={reduction!r}; use one of {REDUCTIONS}")
+    if impl not in IMPLS:
+        raise ValueError(f"sparse_kl_loss: impl={impl!r}; use one of {IMPLS}")
+    use_ce = ce_weight != 0.0
+    if use_ce and ce_targets is None:
+        raise ValueError("sparse_kl_loss: ce_weight != 0 needs ce_targets ([N] integer labels)")
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda else "torch"
+    if workspace_bytes is None:
+        workspace_bytes = default_workspace_bytes(hidden.device)
+
+    ids = topk_ids.long()  # [N, k] int64
+    if use_ce:
+        ids = torch.cat([ids, ce_targets.long()[:, None]], 1)  # [N, k + 1]
+    # lse reaches the loss through the tail bucket and the CE term; renorm alone needs only
+    # the logits at the ids, so the whole vocabulary pass is skipped unless argmax is wanted.
+    need_lse = tail == "bucket" or use_ce
+    if impl == "naive":
+        lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
+    elif impl == "torch":
+        lse, z_sel, argmax = chunked_lse_gather(
+            hidden, weight, ids, vocab_pass=need_lse or return_argmax, dense_grad=need_lse,
+            workspace_bytes=workspace_bytes,
+        )
+    else:
+        try:
+            from . import sparse_kl
+        except ImportError as err:
+            raise RuntimeError(
+                "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
+                "use impl='torch' on this machine"
+            ) from err
+        lse, z_sel, argmax = sparse_kl.triton_lse_gather(
+            hidden, weight, ids, vocab_pass=need_lse or return_argmax, dense_grad=need_lse,
+            workspace_bytes=workspace_bytes, config=triton_config,
+        )
+
+    n = hidden.shape[0]
+    w = torch.ones(n, dtype=torch.float32, device=hidden.device) if weights is None else weights.float()
+    live = w != 0  # [N] bool
+    # Rows of weight 0 (padding) may hold anything in their teacher values; give them a
+    # harmless teacher (all mass in the tail) so that no NaN can reach the gradient through
+    # a 0 * NaN in the row's backward.
+    topk_logprobs = torch.where(live[:, None], topk_logprobs.float(), -torch.inf)
+    if tail_mass is not None:
+        tail_mass = torch.where(live, tail_mass.float(), 1.0)
+    rows = row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass)
+    rows = torch.where(live, w * rows, 0.0)  # [N] fp32
+    if reduction == "none":
+        loss = rows
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    return (loss, argmax) if return_argmax else loss
+
+
+def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass) -> None:
+    """Shape, dtype and device checks that need no device sync; ValueError says what to change."""
+    if hidden.dim() != 2:
+        raise ValueError(
+            f"sparse_kl_loss: hidden must be [N, H], got shape {tuple(hidden.shape)}; "
+            "flatten batch and time first (hidden.flatten(0, -2))"
+        )
+    n, h = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != h:
+        raise ValueError(f"sparse_kl_loss: weight must be [V, {h}] to match hidden [N, {h}], got {tuple(weight.shape)}")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"sparse_kl_loss: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one float "
+            "dtype; cast one of them (e.g. hidden.to(weight.dtype))"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.is_floating_point():
+        raise ValueError(f"sparse_kl_loss: topk_ids must be [{n}, k] integer, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
+        raise ValueError(
+            f"sparse_kl_loss: topk_logprobs must be float of topk_ids' shape {tuple(topk_ids.shape)}, "
+            f"got {tuple(topk_logprobs.shape)} {topk_logprobs.dtype}"
+        )
+    for name, t in (("weights", weights), ("ce_targets", ce_targets), ("tail_mass", tail_mass)):
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"sparse_kl_loss: {name} must be [{n}], got {tuple(t.shape)}")
+    if ce_targets is not None and ce_targets.is_floating_point():
+        raise ValueError(f"sparse_kl_loss: ce_targets must be integer ids, got {ce_targets.dtype}")
+    for name, t in (("weight", weight), ("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs),
+                    ("weights", weights), ("ce_targets", ce_targets), ("tail_mass", tail_mass)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"sparse_kl_loss: {name} is on {t.device} but hidden on {hidden.device}; move it")
