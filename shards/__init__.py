@@ -3,6 +3,23 @@
 Depends on pyarrow, numpy and zstandard only: no torch, no models. See FORMAT.md.
 """
 
+from dflash.shards.codecs import topk_codec_kl
 from dflash.shards.layers import default_layer_ids, hidden_state_index
+from dflash.shards.reader import Cache, RawSequence, Sequence, open_cache, verify_cache
+from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+from dflash.shards.writer import CacheWriter, finalize_cache
 
-__all__ = ["default_layer_ids", "hidden_state_index"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Cache",
+    "CacheSpec",
+    "CacheWriter",
+    "RawSequence",
+    "Sequence",
+    "default_layer_ids",
+    "finalize_cache",
+    "hidden_state_index",
+    "open_cache",
+    "topk_codec_kl",
+    "verify_cache",
+]

@@ -1,0 +1,271 @@
+"""Column codecs: bf16 and fp8 features, raw and packed top-k. Pure numpy.
+
+Features are the bulk of a cache (5 x 4096 x 2 B = 40 KB/token for Qwen3-8B in bf16), so both
+feature codecs keep one fixed-width element per value and decode with a few vectorised
+passes; the stored array is what training maps zero-copy. fp8 halves the bytes at a
+documented error (FORMAT.md). Top-k is small beside features, so its codec favours size over
+decode speed: ids bit-packed at ceil(log2 V) bits, probabilities quantised on a
+square-root scale (the scale on which a quantisation step costs the same KL at every
+probability), all in one fixed number of bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- bf16
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bf16 (round to nearest, ties to even); returns the uint16 bit patterns.
+
+    The caller guarantees finite input; values beyond the bf16 range round to inf, which
+    the writer's validation catches.
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen bf16 bit patterns (uint16) to float32, exactly."""
+    wide = np.left_shift(bits, 16, dtype=np.uint32, out=None if out is None else out.view(np.uint32))
+    return wide.view(np.float32)
+
+
+# ----------------------------------------------------------------------------- fp8 e4m3
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+_FP8_MIN_NORMAL = 2.0**-6
+# A float32 whose bits are an e4m3 code shifted left by 20 has exponent field e4m3_exp and
+# mantissa e4m3_mant << 20; multiplying by 2**120 rebiases 127 -> 7. The float32
+# subnormal range lines up with e4m3's subnormals, so this is exact for all 254 finite codes.
+_FP8_REBIAS = np.float32(2.0**120)
+
+
+def f32_to_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float32 [..., H] as float8_e4m3fn codes with one scale per leading index.
+
+    Returns (codes uint8 [..., H], scales float32 [...]) with x ~= decode(codes) * scale;
+    the scale maps each vector's max |x| to 448, so no code saturates. The bit layout is
+    torch.float8_e4m3fn's (sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7F/0xFF are
+    NaN and never produced), so `torch.from_numpy(codes).view(torch.float8_e4m3fn)` decodes it.
+    Rounding is to nearest, ties to even.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.abs(x).max(axis=-1)  # [...] float32
+    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    y = x / scales[..., None]  # [..., H] float32, |y| <= 448 (up to one float32 ulp)
+    mag = np.abs(y)
+    bits = mag.view(np.uint32)
+    # Round the float32 mantissa to 3 bits (to nearest even); a carry bumps the exponent,
+    # which is the right result. Then rebias the exponent from 127 to 7.
+    rounded = (bits + np.uint32(0x7FFFF) + ((bits >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)
+    normal = rounded.astype(np.int64) - (120 << 3)
+    # Below 2**-6 e4m3 is fixed point in steps of 2**-9; rint rounds ties to even.
+    subnormal = np.rint(mag * np.float32(512)).astype(np.int64)
+    code = np.where(mag < _FP8_MIN_NORMAL, subnormal, normal)
+    code = np.minimum(code, 0x7E).astype(np.uint8)
+    code |= (np.signbit(y).astype(np.uint8) << np.uint8(7))
+    return code, scales
+
+
+def fp8_to_f32(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Decode float8_e4m3fn codes uint8 [..., H] with scales float32 [...] to float32 [..., H]."""
+    # Put the 8-bit code at the top of a 32-bit word, then an arithmetic shift by 4 lands
+    # the 7 magnitude bits at bit 20 while smearing the sign over bits 27..31; the mask keeps
+    # bit 31 (the float32 sign) and clears 27..30.
+    words = np.left_shift(codes, 24, dtype=np.uint32).view(np.int32)
+    words >>= 4
+    words &= np.int32(-0x78000001)  # 0x87FFFFFF
+    out = words.view(np.float32)
+    out *= (np.asarray(scales, dtype=np.float32) * _FP8_REBIAS)[..., None]
+    return out
+
+
+# ----------------------------------------------------------------------------- top-k
+
+def id_bits(vocab_size: int) -> int:
+    """Bits per packed token id: ceil(log2 V)."""
+    return max(1, math.ceil(math.log2(vocab_size)))
+
+
+# Packed top-k layout per token (bits, least significant first within each field):
+#   tail code      MASS_BITS   logit of the tail share, log(t / M), uniform on [-48, 48]
+#   p[0] code      FIRST_BITS  sqrt of the top candidate's share of the top-k mass M
+#   p[1..k-1]      REST_BITS   each: sqrt of the share on the range left by the previous code
+#   ids            k * ceil(log2 V), in descending probability order
+MASS_BITS = 16
+FIRST_BITS = 8
+REST_BITS = 5
+_MASS_RANGE = 48.0
+_MASS_LEVELS = 2**MASS_BITS - 1  # codes 1..65535; 0 means "tail mass exactly 0"
+
+
+def packed_bytes_per_token(top_k: int, vocab_size: int) -> int:
+    bits = MASS_BITS + FIRST_BITS + REST_BITS * (top_k - 1) + top_k * id_bits(vocab_size)
+    return (bits + 7) // 8
+
+
+def _field_bits(values: np.ndarray, nbits: int) -> np.ndarray:
+    """[T, n] unsigned ints -> [T, n * nbits] uint8 bits, least significant bit first."""
+    shifts = np.arange(nbits, dtype=np.uint64)
+    bits = (values.astype(np.uint64)[:, :, None] >> shifts) & np.uint64(1)
+    return bits.reshape(values.shape[0], -1).astype(np.uint8)
+
+
+def _field_values(bits: np.ndarray, nbits: int) -> np.ndarray:
+    """[T, n * nbits] uint8 bits -> [T, n] int64."""
+    weights = np.left_shift(1, np.arange(nbits, dtype=np.int64))
+    return bits.reshape(bits.shape[0], -1, nbits).astype(np.int64) @ weights
+
+
+def _chain_bits(i: int) -> int:
+    return FIRST_BITS if i == 0 else REST_BITS
+
+
+def encode_topk_packed(
+    topk_ids: np.ndarray, topk_logprobs: np.ndarray, tail_mass: np.ndarray, vocab_size: int
+) -> np.ndarray:
+    """Encode one sequence's top-k as packed bytes: returns uint8 [T, packed_bytes_per_token].
+
+    topk_ids [T, k] int (< V, unique per row), topk_logprobs [T, k] float (full-vocabulary
+    log-probs, any order: candidates are stored in descending probability), tail_mass [T]
+    float in [0, 1].
+    """
+    num_tokens, top_k = topk_ids.shape
+    order = np.argsort(-np.asarray(topk_logprobs, dtype=np.float64), axis=1, kind="stable")
+    ids = np.take_along_axis(np.asarray(topk_ids, dtype=np.int64), order, axis=1)  # [T, k]
+    probs = np.exp(np.take_along_axis(np.asarray(topk_logprobs, dtype=np.float64), order, axis=1))
+    mass = probs.sum(axis=1)  # [T] top-k mass M
+    tail = np.asarray(tail_mass, dtype=np.float64)
+
+    # Tail: the logit log(t / M) on a uniform grid, which is precise for t and for 1 - t alike.
+    with np.errstate(divide="ignore"):
+        logit = np.log(tail) - np.log(mass)
+    level = np.rint((np.clip(logit, -_MASS_RANGE, _MASS_RANGE) + _MASS_RANGE)
+                    * ((_MASS_LEVELS - 1) / (2 * _MASS_RANGE)))
+    mass_code = np.where(tail > 0, level + 1, 0).astype(np.int64)  # [T]
+
+    # Shares p = q / M, quantised on sqrt(p), each on [0, u) where u is the upper edge of the
+    # previous code's bin (which bounds the next share, as the shares are sorted). Closed
+    # loop: the encoder tracks the decoder's u, so errors never accumulate along the chain.
+    roots = np.sqrt(probs / mass[:, None])  # [T, k]
+    upper = np.ones(num_tokens)
+    share_codes = np.empty((num_tokens, top_k), dtype=np.int64)
+    for i in range(top_k):
+        levels = 2 ** _chain_bits(i)
+        code = np.clip(np.floor(roots[:, i] / upper * levels), 0, levels - 1)
+        share_codes[:, i] = code
+        upper = (code + 1) * upper / levels
+
+    bits = np.concatenate(
+        [
+            _field_bits(mass_code[:, None], MASS_BITS),
+            _field_bits(share_codes[:, :1], FIRST_BITS),
+            _field_bits(share_codes[:, 1:], REST_BITS),
+            _field_bits(ids, id_bits(vocab_size)),
+        ],
+        axis=1,
+    )  # [T, total_bits] uint8
+    return np.packbits(bits, axis=1, bitorder="little")
+
+
+def decode_topk_packed(
+    packed: np.ndarray, top_k: int, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode uint8 [T, bytes] -> (topk_ids [T, k] int32, topk_logprobs [T, k] float32,
+    tail_mass [T] float32), candidates in descending probability; exp(logprobs) sums with the
+    tail to 1."""
+    num_tokens = packed.shape[0]
+    nid = id_bits(vocab_size)
+    total = MASS_BITS + FIRST_BITS + REST_BITS * (top_k - 1) + top_k * nid
+    bits = np.unpackbits(packed, axis=1, count=total, bitorder="little")  # [T, total] uint8
+    at = 0
+    mass_code = _field_values(bits[:, at:at + MASS_BITS], MASS_BITS)[:, 0]
+    at += MASS_BITS
+    first = _field_values(bits[:, at:at + FIRST_BITS], FIRST_BITS)
+    at += FIRST_BITS
+    rest = _field_values(bits[:, at:at + REST_BITS * (top_k - 1)], REST_BITS)
+    at += REST_BITS * (top_k - 1)
+    ids = _field_values(bits[:, at:at + top_k * nid], nid).astype(np.int32)  # [T, k]
+    share_codes = np.concatenate([first, rest], axis=1)  # [T, k]
+
+    upper = np.ones(num_tokens)
+    roots = np.empty((num_tokens, top_k))
+    for i in range(top_k):
+        levels = 2 ** _chain_bits(i)
+        roots[:, i] = (share_codes[:, i] + 0.5) * upper / levels  # bin centre, never 0
+        upper = (share_codes[:, i] + 1) * upper / levels
+    shares = roots**2
+    shares /= shares.sum(axis=1, keepdims=True)
+
+    logit = (mass_code - 1) * (2 * _MASS_RANGE / (_MASS_LEVELS - 1)) - _MASS_RANGE
+    tail = np.where(mass_code > 0, 1.0 / (1.0 + np.exp(-logit)), 0.0)  # [T] float64
+    log_mass = np.where(mass_code > 0, -np.logaddexp(0.0, logit), 0.0)  # log(1 - t)
+    logprobs = np.log(shares) + log_mass[:, None]
+    return ids, logprobs.astype(np.float32), tail.astype(np.float32)
+
+
+def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
+    """max(0, 1 - sum(exp(topk_logprobs))) per row, computed in float64: [T] float32."""
+    mass = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(axis=-1)
+    return np.maximum(0.0, 1.0 - mass).astype(np.float32)
+
+
+def topk_kl(
+    logprobs_a: np.ndarray, tail_a: np.ndarray, logprobs_b: np.ndarray, tail_b: np.ndarray
+) -> np.ndarray:
+    """KL(a || b) in nats per row between two top-k-plus-tail distributions on the same ids
+    (same order): [T]. Each side is normalised over its k + 1 buckets first."""
+    qa = np.exp(np.asarray(logprobs_a, dtype=np.float64))
+    qb = np.exp(np.asarray(logprobs_b, dtype=np.float64))
+    ta = np.asarray(tail_a, dtype=np.float64)[:, None]
+    tb = np.asarray(tail_b, dtype=np.float64)[:, None]
+    pa = np.concatenate([qa, ta], axis=1)
+    pb = np.concatenate([qb, tb], axis=1)
+    pa /= pa.sum(axis=1, keepdims=True)
+    pb /= pb.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(pa > 0, pa * (np.log(pa) - np.log(pb)), 0.0)
+    return terms.sum(axis=1)
+
+
+def topk_codec_kl(
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    tail_mass: np.ndarray | None = None,
+    *,
+    vocab_size: int | None = None,
+    codec: str = "packed",
+) -> float:
+    """Mean KL (nats per token) that storing this top-k with `codec` costs.
+
+    The KL is from the exact top-k-plus-tail distribution to the decoded one, both
+    normalised over k + 1 buckets. topk_ids [T, k] int, topk_logprobs [T, k] float
+    (full-vocabulary log-probs, e.g. the target's real ones), tail_mass [T] (default
+    1 - sum(exp(topk_logprobs))). Use it to check the codec on a real target's distributions.
+    """
+    topk_ids = np.asarray(topk_ids)
+    topk_logprobs = np.asarray(topk_logprobs)
+    if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
+        raise ValueError(
+            f"topk_ids and topk_logprobs must both be [T, k], got {topk_ids.shape} and "
+            f"{topk_logprobs.shape}"
+        )
+    if tail_mass is None:
+        tail_mass = tail_from_logprobs(topk_logprobs)
+    if codec == "raw":
+        return 0.0
+    if codec != "packed":
+        raise ValueError(f"codec must be 'packed' or 'raw', got {codec!r}")
+    vocab_size = int(topk_ids.max()) + 1 if vocab_size is None else vocab_size
+    top_k = topk_ids.shape[1]
+    packed = encode_topk_packed(topk_ids, topk_logprobs, tail_mass, vocab_size)
+    ids, logprobs, tail = decode_topk_packed(packed, top_k, vocab_size)
+    # Compare on the decoder's order (descending probability).
+    order = np.argsort(-np.asarray(topk_logprobs, dtype=np.float64), axis=1, kind="stable")
+    exact = np.take_along_axis(np.asarray(topk_logprobs, dtype=np.float64), order, axis=1)
+    assert np.array_equal(ids, np.take_along_axis(topk_ids, order, axis=1))
+    return float(topk_kl(exact, tail_mass, logprobs, tail).mean())

@@ -1,0 +1,303 @@
+"""Reading a cache: `open_cache` parses manifest.json only; rows are read on demand.
+
+The manifest lists every shard (path, checksum, size, row count) and every sequence's
+length and source in shard order, so locating sequence i is a binary search over
+cumulative row counts and reading it is one record-batch lookup in a memory-mapped file.
+Opened shards stay mapped in a small LRU. `cache[i]` decodes to float32 and friends;
+`cache.raw(i)` hands out read-only views of the mapped file for the big columns (no
+Arrow allocation, no copy) for training to move to the device and decode there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash.shards import codecs, rows
+from dflash.shards.spec import CacheSpec, check_format_version
+from dflash.shards.writer import MANIFEST, file_sha256
+
+
+@dataclass
+class Sequence:
+    """One decoded sequence. T tokens, L layers, hidden size H, top-k k."""
+
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] bool
+    features: np.ndarray  # [T, L, H] float32
+    topk_ids: np.ndarray  # [T, k] int32 (packed codec: descending probability)
+    topk_logprobs: np.ndarray  # [T, k] float32, full-vocabulary log-probs
+    tail_mass: np.ndarray  # [T] float32, 1 - sum(exp(topk_logprobs))
+    source: dict[str, Any]  # {"file": str, "index": int}
+
+
+@dataclass
+class RawSequence:
+    """One sequence with its big columns as read-only views of the memory-mapped shard."""
+
+    input_ids: np.ndarray  # [T] int32, view
+    loss_mask: np.ndarray  # [T] bool, view
+    features: np.ndarray  # [T, L, H] view: uint16 bf16 bits, or uint8 float8_e4m3fn codes
+    feature_scales: np.ndarray | None  # [T, L] float32 view (fp8: value = e4m3 * scale), else None
+    feature_codec: str  # "bf16" or "fp8"
+    topk_ids: np.ndarray  # [T, k] int32, decoded
+    topk_logprobs: np.ndarray  # [T, k] float32, decoded
+    tail_mass: np.ndarray  # [T] float32, decoded
+    source: dict[str, Any]
+
+
+def _inside(root: Path, relative: Any, field: str) -> Path:
+    """Resolve a manifest path, refusing anything that leaves the cache directory."""
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
+        raise ValueError(
+            f"{root / MANIFEST}: {field} must be a relative path inside the cache, got {relative!r}; "
+            "the manifest is damaged or not from dflash"
+        )
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise ValueError(
+            f"{root / MANIFEST}: {field} {relative!r} points outside the cache directory; "
+            "refusing to read it (the manifest is damaged or not from dflash)"
+        )
+    return path
+
+
+class Cache:
+    """A finalized cache. Index with cache[i] (decoded) or cache.raw(i) (zero-copy)."""
+
+    def __init__(self, root: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
+        self.root = Path(root)
+        manifest_path = self.root / MANIFEST
+        if not manifest_path.exists():
+            raise ValueError(
+                f"{manifest_path} does not exist: not a dflash cache, or its producer did not "
+                "finish (rerun dflash-precompute to complete it)"
+            )
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{manifest_path} is not valid JSON ({error})") from error
+        if not isinstance(manifest, dict) or manifest.get("format") != "dflash-cache":
+            raise ValueError(f"{manifest_path} is not a dflash cache manifest")
+        check_format_version(manifest.get("format_version"), str(manifest_path))
+        self.manifest = manifest
+        self.spec = CacheSpec.from_dict(manifest["spec"])
+        self.shards = manifest["shards"]
+        self.shard_paths = [_inside(self.root, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
+        self.target_dir = _inside(self.root, manifest["target_dir"], "target_dir")
+        self.rejected_path = _inside(self.root, manifest["rejected"], "rejected")
+        seqs = manifest["sequences"]
+        self.lengths = np.asarray(seqs["length"], dtype=np.int64)  # [N]
+        self.num_loss_tokens = np.asarray(seqs["num_loss_tokens"], dtype=np.int64)  # [N]
+        self._source_file = np.asarray(seqs["source_file"], dtype=np.int64)  # [N] into source_files
+        self._source_index = np.asarray(seqs["source_index"], dtype=np.int64)  # [N]
+        self._source_files = manifest["source_files"]
+        counts = np.asarray([s["num_sequences"] for s in self.shards], dtype=np.int64)
+        self._shard_starts = np.concatenate([[0], np.cumsum(counts)])  # [S + 1]
+        if self._shard_starts[-1] != len(self.lengths):
+            raise ValueError(
+                f"{manifest_path}: shards hold {self._shard_starts[-1]} sequences but "
+                f"{len(self.lengths)} are listed; the manifest is damaged"
+            )
+        self.check_rows = check_rows
+        self._max_open = max_open_shards
+        self._open: OrderedDict[int, pa.ipc.RecordBatchFileReader] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def source(self, i: int) -> dict[str, Any]:
+        i = self._index(i)
+        return {"file": self._source_files[self._source_file[i]], "index": int(self._source_index[i])}
+
+    def locate(self, i: int) -> tuple[Path, int]:
+        """(shard path, row within the shard) of sequence i."""
+        i = self._index(i)
+        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        return self.shard_paths[shard], int(i - self._shard_starts[shard])
+
+    def __getitem__(self, i: int) -> Sequence:
+        raw = self.raw(i)
+        if raw.feature_codec == "bf16":
+            features = codecs.bf16_to_f32(raw.features)
+        else:
+            features = codecs.fp8_to_f32(raw.features, raw.feature_scales)
+        return Sequence(
+            input_ids=raw.input_ids.copy(),
+            loss_mask=raw.loss_mask.copy(),
+            features=features,
+            topk_ids=raw.topk_ids,
+            topk_logprobs=raw.topk_logprobs,
+            tail_mass=raw.tail_mass,
+            source=raw.source,
+        )
+
+    def raw(self, i: int) -> RawSequence:
+        i = self._index(i)
+        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        row = int(i - self._shard_starts[shard])
+        path = self.shard_paths[shard]
+        spec = self.spec
+        try:
+            batch = self._reader(shard).get_batch(row)
+            columns = rows.read_row(batch, spec, check=self.check_rows)
+        except (pa.ArrowException, ValueError, OSError) as error:
+            raise ValueError(
+                f"{path}: cannot read row {row} (sequence {i}): {error}; the shard is damaged, "
+                "run `dflash-shards verify` on the cache and re-run dflash-precompute for it"
+            ) from error
+        if columns.num_tokens != self.lengths[i] or columns.source != self.source(i):
+            raise ValueError(
+                f"{path}: row {row} holds {columns.source} with {columns.num_tokens} tokens, the "
+                f"manifest lists {self.source(i)} with {self.lengths[i]}; the cache is inconsistent"
+            )
+        num_tokens, k = columns.num_tokens, spec.top_k
+        values = columns.values
+        if spec.topk_codec == "packed":
+            topk = values["topk"].reshape(num_tokens, -1)
+            topk_ids, topk_logprobs, tail_mass = codecs.decode_topk_packed(topk, k, spec.vocab_size)
+        else:
+            topk_ids = values["topk_ids"].reshape(num_tokens, k)
+            topk_logprobs = values["topk_logprobs"].reshape(num_tokens, k)
+            tail_mass = values["tail_mass"]
+        scales = values.get("feature_scales")
+        return RawSequence(
+            input_ids=values["input_ids"],
+            loss_mask=values["loss_mask"].view(np.bool_),
+            features=values["features"].reshape(num_tokens, spec.num_layers, spec.hidden_size),
+            feature_scales=None if scales is None else scales.reshape(num_tokens, spec.num_layers),
+            feature_codec=spec.feature_codec,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            tail_mass=tail_mass,
+            source=columns.source,
+        )
+
+    def close(self) -> None:
+        self._open.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _index(self, i: int) -> int:
+        n = len(self.lengths)
+        i = int(i)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for a cache of {n}")
+        return i + n if i < 0 else i
+
+    def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+        reader = self._open.get(shard)
+        if reader is not None:
+            self._open.move_to_end(shard)
+            return reader
+        reader = open_shard(self.shard_paths[shard], self.shards[shard], self.spec)
+        self._open[shard] = reader
+        if len(self._open) > self._max_open:
+            self._open.popitem(last=False)
+        return reader
+
+
+def open_shard(path: Path, entry: dict[str, Any], spec: CacheSpec) -> pa.ipc.RecordBatchFileReader:
+    """Map one shard and check it against its manifest entry (size, version, schema, rows)."""
+    if not path.exists():
+        raise ValueError(f"{path} is missing; the cache is incomplete (re-run dflash-precompute)")
+    size = path.stat().st_size
+    if size != entry["num_bytes"]:
+        raise ValueError(
+            f"{path} is {size} bytes, the manifest records {entry['num_bytes']}: the shard is "
+            "truncated or was replaced; re-run dflash-precompute to rewrite it"
+        )
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+    except pa.ArrowException as error:
+        raise ValueError(f"{path} is not a readable Arrow file ({error}); re-run dflash-precompute") from error
+    metadata = reader.schema.metadata or {}
+    version = metadata.get(rows.VERSION_KEY)
+    check_format_version(int(version) if version is not None and version.isdigit() else version, str(path))
+    expected = rows.shard_schema(spec)
+    if not reader.schema.equals(expected, check_metadata=True):
+        raise ValueError(
+            f"{path}: schema does not match the manifest's spec (got {reader.schema}); the "
+            "shard belongs to another cache or is damaged"
+        )
+    if reader.num_record_batches != entry["num_sequences"]:
+        raise ValueError(
+            f"{path} holds {reader.num_record_batches} rows, the manifest records "
+            f"{entry['num_sequences']}"
+        )
+    return reader
+
+
+def open_cache(path: str | Path, *, check_rows: bool = True) -> Cache:
+    """Open a finalized cache; only manifest.json is read until a row is asked for.
+
+    check_rows verifies each row's crc32 as it is read (about 7 GB/s of stored bytes).
+    """
+    return Cache(path, check_rows=check_rows)
+
+
+def verify_cache(path: str | Path) -> dict[str, Any]:
+    """Recompute every shard's sha256, check its schema and decode every row.
+
+    Returns {"ok": bool, "problems": [{"shard": path or None, "problem": str}],
+    "num_shards": int, "num_sequences": int}.
+    """
+    problems: list[dict[str, Any]] = []
+    try:
+        cache = Cache(path)
+    except (ValueError, KeyError, TypeError) as error:
+        detail = str(error) if isinstance(error, ValueError) else f"manifest field missing or malformed: {error!r}"
+        return {"ok": False, "problems": [{"shard": None, "problem": detail}], "num_shards": 0, "num_sequences": 0}
+    for shard, (shard_path, entry) in enumerate(zip(cache.shard_paths, cache.shards)):
+        name = entry["path"]
+        if not shard_path.exists():
+            problems.append({"shard": name, "problem": "file is missing"})
+            continue
+        digest = file_sha256(shard_path)
+        if digest != entry["sha256"]:
+            problems.append(
+                {"shard": name, "problem": f"sha256 {digest} does not match the manifest's {entry['sha256']}"}
+            )
+        try:
+            cache._reader(shard)
+        except ValueError as error:
+            problems.append({"shard": name, "problem": str(error)})
+            continue
+        for i in range(int(cache._shard_starts[shard]), int(cache._shard_starts[shard + 1])):
+            try:
+                seq = cache[i]
+                _check_decoded(seq, cache.spec)
+            except ValueError as error:
+                problems.append({"shard": name, "problem": str(error)})
+        cache._open.pop(shard, None)
+    if not cache.rejected_path.exists():
+        problems.append({"shard": None, "problem": f"{cache.rejected_path} is missing"})
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "num_shards": len(cache.shards),
+        "num_sequences": len(cache),
+    }
+
+
+def _check_decoded(seq: Sequence, spec: CacheSpec) -> None:
+    where = f"sequence {seq.source}"
+    if seq.input_ids.min() < 0 or seq.input_ids.max() >= spec.vocab_size:
+        raise ValueError(f"{where}: input_ids outside [0, {spec.vocab_size})")
+    if seq.topk_ids.min() < 0 or seq.topk_ids.max() >= spec.vocab_size:
+        raise ValueError(f"{where}: topk_ids outside [0, {spec.vocab_size})")
+    for name in ("features", "topk_logprobs", "tail_mass"):
+        if not np.isfinite(getattr(seq, name)).all():
+            raise ValueError(f"{where}: {name} holds inf or NaN")

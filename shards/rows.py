@@ -1,0 +1,173 @@
+"""One sequence <-> one Arrow record batch of one row: the shard schema and its codecs.
+
+Every per-token column is a `large_list` of a fixed-width primitive, flat in row-major
+order, so a row's values are one contiguous, aligned slice of the memory-mapped file that
+numpy views without a copy. One row per record batch makes a random row read one footer
+lookup. A crc32 of the row's value bytes travels in the row, so a reader catches flipped
+bytes in exactly what it reads, at about 7 GB/s.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash.shards import codecs
+from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+
+VERSION_KEY = b"dflash.format_version"
+SPEC_KEY = b"dflash.spec"
+
+# Per-token list columns, in the order their bytes enter the row checksum.
+_FEATURE_VALUE_TYPES = {"bf16": pa.uint16(), "fp8": pa.uint8()}
+
+
+def list_columns(spec: CacheSpec) -> list[tuple[str, pa.DataType]]:
+    """(name, value type) of the per-token columns this spec stores, in schema order."""
+    columns = [
+        ("input_ids", pa.int32()),
+        ("loss_mask", pa.uint8()),
+        ("features", _FEATURE_VALUE_TYPES[spec.feature_codec]),
+    ]
+    if spec.feature_codec == "fp8":
+        columns.append(("feature_scales", pa.float32()))
+    if spec.topk_codec == "packed":
+        columns.append(("topk", pa.uint8()))
+    else:
+        columns += [
+            ("topk_ids", pa.int32()),
+            ("topk_logprobs", pa.float32()),
+            ("tail_mass", pa.float32()),
+        ]
+    return columns
+
+
+def values_per_token(spec: CacheSpec) -> dict[str, int]:
+    """Number of list values each per-token column holds per token."""
+    num_layers, hidden, k = spec.num_layers, spec.hidden_size, spec.top_k
+    return {
+        "input_ids": 1,
+        "loss_mask": 1,
+        "features": num_layers * hidden,
+        "feature_scales": num_layers,
+        "topk": codecs.packed_bytes_per_token(k, spec.vocab_size),
+        "topk_ids": k,
+        "topk_logprobs": k,
+        "tail_mass": 1,
+    }
+
+
+def bytes_per_token(spec: CacheSpec) -> dict[str, int]:
+    """Stored bytes per token of each per-token column."""
+    counts = values_per_token(spec)
+    return {name: counts[name] * dtype.bit_width // 8 for name, dtype in list_columns(spec)}
+
+
+def shard_schema(spec: CacheSpec) -> pa.Schema:
+    fields = [
+        pa.field("source_file", pa.string(), nullable=False),
+        pa.field("source_index", pa.int64(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+    ]
+    fields += [pa.field(name, pa.large_list(dtype), nullable=False) for name, dtype in list_columns(spec)]
+    fields.append(pa.field("checksum", pa.uint32(), nullable=False))
+    identity = json.dumps(spec.identity(), sort_keys=True, separators=(",", ":"))
+    return pa.schema(fields, metadata={VERSION_KEY: str(FORMAT_VERSION).encode(), SPEC_KEY: identity.encode()})
+
+
+def row_checksum(values: list[np.ndarray]) -> int:
+    crc = 0
+    for array in values:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
+    return crc
+
+
+def encode_row(
+    spec: CacheSpec,
+    *,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    features: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    tail_mass: np.ndarray,
+    source: dict[str, Any],
+) -> pa.RecordBatch:
+    """Encode one validated sequence (see CacheWriter.add for shapes) as a one-row batch."""
+    if features.dtype == np.uint16:
+        features_f32 = None
+        bf16 = features
+    else:
+        features_f32 = np.asarray(features, dtype=np.float32)
+        bf16 = None
+    values: dict[str, np.ndarray] = {
+        "input_ids": input_ids.astype(np.int32, copy=False),
+        "loss_mask": loss_mask.astype(np.uint8, copy=False),
+    }
+    if spec.feature_codec == "bf16":
+        values["features"] = bf16 if bf16 is not None else codecs.f32_to_bf16(features_f32)
+    else:
+        if features_f32 is None:
+            features_f32 = codecs.bf16_to_f32(bf16)
+        values["features"], values["feature_scales"] = codecs.f32_to_fp8(features_f32)
+    if spec.topk_codec == "packed":
+        values["topk"] = codecs.encode_topk_packed(topk_ids, topk_logprobs, tail_mass, spec.vocab_size)
+    else:
+        values["topk_ids"] = topk_ids.astype(np.int32, copy=False)
+        values["topk_logprobs"] = topk_logprobs.astype(np.float32, copy=False)
+        values["tail_mass"] = tail_mass.astype(np.float32, copy=False)
+
+    schema = shard_schema(spec)
+    ordered = [np.ascontiguousarray(values[name]).reshape(-1) for name, _ in list_columns(spec)]
+    arrays = [
+        pa.array([source["file"]], pa.string()),
+        pa.array([source["index"]], pa.int64()),
+        pa.array([len(input_ids)], pa.int32()),
+    ]
+    for flat in ordered:
+        offsets = pa.array([0, flat.size], pa.int64())
+        arrays.append(pa.LargeListArray.from_arrays(offsets, pa.array(flat)))
+    arrays.append(pa.array([row_checksum(ordered)], pa.uint32()))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+@dataclass
+class RowColumns:
+    """The stored per-token columns of one row as read-only numpy views of the shard."""
+
+    source: dict[str, Any]
+    num_tokens: int
+    values: dict[str, np.ndarray]  # name -> flat view, e.g. features [T * L * H]
+
+
+def read_row(batch: pa.RecordBatch, spec: CacheSpec, *, check: bool) -> RowColumns:
+    """Views of a one-row batch's columns (no copy); raises ValueError on a checksum mismatch
+    or on a column whose length does not fit the row's token count."""
+    if batch.num_rows != 1:
+        raise ValueError(f"record batch holds {batch.num_rows} rows, the format has one per batch")
+    num_tokens = batch.column("num_tokens")[0].as_py()
+    counts = values_per_token(spec)
+    values = {}
+    for name, _ in list_columns(spec):
+        flat = batch.column(name).flatten().to_numpy(zero_copy_only=True)
+        if flat.size != num_tokens * counts[name]:
+            raise ValueError(
+                f"column {name} holds {flat.size} values, expected {num_tokens} tokens x "
+                f"{counts[name]}"
+            )
+        values[name] = flat
+    if check:
+        stored = batch.column("checksum")[0].as_py()
+        actual = row_checksum(list(values.values()))
+        if stored != actual:
+            raise ValueError(f"row checksum mismatch (stored crc32 {stored:08x}, data {actual:08x})")
+    source = {
+        "file": batch.column("source_file")[0].as_py(),
+        "index": batch.column("source_index")[0].as_py(),
+    }
+    return RowColumns(source=source, num_tokens=num_tokens, values=values)

@@ -1,0 +1,570 @@
+"""Writing a cache: one `CacheWriter` per rank, then `finalize_cache` on rank 0.
+
+Every file reaches its final name complete or not at all: a shard is written as
+`*.arrow.tmp`, fsynced, renamed and the directory fsynced; only then is its record
+(`*.json`, same atomic dance) written, and a shard without a record does not exist. A killed
+writer therefore leaves only temporaries and unrecorded files, which the next writer of that
+rank deletes before it continues. Shard boundaries depend on the row stream alone (rows and
+encoded bytes per shard), so a resumed run writes byte-identical shards.
+
+Writes happen in the caller's thread unless `background=True`, in which case encoding and
+disk I/O run in one worker thread behind a small queue, and the worker's exception is
+raised in the caller at its next `add`, `reject` or `close`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash.shards import codecs, rows
+from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+
+SHARDS_DIR = "shards"
+MANIFEST = "manifest.json"
+REJECTED = "rejected.jsonl"
+TARGET_DIR = "target"
+
+# Log-probs may exceed 0 and the top-k mass 1 by float rounding of the producer's softmax.
+_LOGPROB_SLACK = 1e-3
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"rank{rank:05d}-{index:05d}.arrow"
+
+
+def _record_name(rank: int, index: int) -> str:
+    return f"rank{rank:05d}-{index:05d}.json"
+
+
+def _spec_name(rank: int) -> str:
+    return f"rank{rank:05d}.spec.json"
+
+
+def _done_name(rank: int) -> str:
+    return f"rank{rank:05d}.done.json"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary name, fsync and rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def file_sha256(path: Path, chunk_bytes: int = 8 * 2**20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_source(source: Any) -> tuple[str, int]:
+    if (
+        not isinstance(source, dict)
+        or not isinstance(source.get("file"), str)
+        or isinstance(source.get("index"), bool)
+        or not isinstance(source.get("index"), (int, np.integer))
+    ):
+        raise ValueError(f'source must be {{"file": str, "index": int}}, got {source!r}')
+    return source["file"], int(source["index"])
+
+
+def validate_row(
+    spec: CacheSpec,
+    source: dict[str, Any],
+    *,
+    input_ids: Any,
+    loss_mask: Any,
+    features: Any,
+    topk_ids: Any,
+    topk_logprobs: Any,
+    tail_mass: Any = None,
+) -> dict[str, np.ndarray]:
+    """Check one row against the spec; return it as numpy arrays (tail_mass filled in).
+
+    Raises ValueError naming the source record and what is wrong.
+    """
+    where = f"row from {source['file']} record {source['index']}"
+
+    def fail(message: str) -> None:
+        raise ValueError(f"{where}: {message}")
+
+    input_ids = np.asarray(input_ids)
+    loss_mask = np.asarray(loss_mask)
+    features = np.asarray(features)
+    topk_ids = np.asarray(topk_ids)
+    topk_logprobs = np.asarray(topk_logprobs)
+    if input_ids.ndim != 1 or input_ids.size == 0:
+        fail(f"input_ids must be a non-empty [T] array, got shape {input_ids.shape}")
+    num_tokens = input_ids.size
+    if num_tokens > spec.max_length:
+        fail(f"{num_tokens} tokens exceed max_length {spec.max_length}")
+    shape_t_k = (num_tokens, spec.top_k)
+    expected = {
+        "loss_mask": (loss_mask, (num_tokens,)),
+        "features": (features, (num_tokens, spec.num_layers, spec.hidden_size)),
+        "topk_ids": (topk_ids, shape_t_k),
+        "topk_logprobs": (topk_logprobs, shape_t_k),
+    }
+    for name, (array, shape) in expected.items():
+        if array.shape != shape:
+            fail(f"{name} has shape {array.shape}, expected {shape} ([T={num_tokens}] from input_ids)")
+    for name, array in (("input_ids", input_ids), ("topk_ids", topk_ids)):
+        if not np.issubdtype(array.dtype, np.integer):
+            fail(f"{name} must hold integers, got dtype {array.dtype}")
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= spec.vocab_size:
+            fail(f"{name} has values in [{low}, {high}], outside [0, vocab_size={spec.vocab_size})")
+    if loss_mask.dtype != np.bool_:
+        if not np.issubdtype(loss_mask.dtype, np.integer) or not np.isin(loss_mask, (0, 1)).all():
+            fail(f"loss_mask must be bool (or 0/1 integers), got dtype {loss_mask.dtype}")
+        loss_mask = loss_mask.astype(bool)
+    if features.dtype == np.uint16:
+        # bf16 bit patterns: exponent all ones is inf or NaN.
+        if ((features & np.uint16(0x7F80)) == 0x7F80).any():
+            fail("features (bf16 bits) hold inf or NaN")
+    elif np.issubdtype(features.dtype, np.floating):
+        features = features.astype(np.float32, copy=False)
+        if not np.isfinite(features).all():
+            fail("features hold inf or NaN")
+        if spec.feature_codec == "bf16" and (np.abs(features) >= 3.3895e38).any():
+            fail("features exceed the bf16 range")
+    else:
+        fail(f"features must be float or uint16 bf16 bits, got dtype {features.dtype}")
+    if not np.issubdtype(topk_logprobs.dtype, np.floating):
+        fail(f"topk_logprobs must be float, got dtype {topk_logprobs.dtype}")
+    if not np.isfinite(topk_logprobs).all():
+        fail("topk_logprobs hold inf or NaN")
+    if topk_logprobs.max() > _LOGPROB_SLACK:
+        fail(f"topk_logprobs must be log-probabilities (<= 0), max is {topk_logprobs.max()}")
+    mass = np.exp(topk_logprobs.astype(np.float64)).sum(axis=1)
+    if mass.max() > 1 + _LOGPROB_SLACK:
+        position = int(mass.argmax())
+        fail(
+            f"top-k probabilities sum to {mass.max():.6f} > 1 at position {position}: pass "
+            "full-vocabulary normalised log-probs"
+        )
+    if spec.top_k > 1:
+        sorted_ids = np.sort(topk_ids, axis=1)
+        repeats = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)
+        if repeats.any():
+            fail(f"topk_ids repeat an id at position {int(repeats.argmax())}")
+    if tail_mass is None:
+        tail_mass = np.maximum(0.0, 1.0 - mass).astype(np.float32)
+    else:
+        tail_mass = np.asarray(tail_mass, dtype=np.float32)
+        if tail_mass.shape != (num_tokens,):
+            fail(f"tail_mass has shape {tail_mass.shape}, expected ({num_tokens},)")
+        if not (np.isfinite(tail_mass).all() and tail_mass.min() >= 0 and tail_mass.max() <= 1):
+            fail("tail_mass must be finite and in [0, 1]")
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "features": features,
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_logprobs,
+        "tail_mass": tail_mass,
+    }
+
+
+class CacheWriter:
+    """Writes one rank's shards of a cache; resumes where an earlier writer of the rank stopped.
+
+    `done_sources` lists the (file, index) of every record already in this rank's complete
+    shards, rows and rejects alike: the producer skips those and feeds the rest in the same
+    order as before, which reproduces the same shards.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        spec: CacheSpec,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        background: bool = False,
+        queue_rows: int = 2,
+    ):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+        self.cache_dir = Path(cache_dir)
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.shards_dir = self.cache_dir / SHARDS_DIR
+        self.shards_dir.mkdir(parents=True, exist_ok=True)
+        self._schema = rows.shard_schema(spec)
+        self._check_layout()
+        self._num_shards, self.done_sources, self._pending_rejects = self._recover()
+        self._open_sources: set[tuple[str, int]] = set()
+        self._sink: pa.NativeFile | None = None
+        self._arrow: pa.ipc.RecordBatchFileWriter | None = None
+        self._shard_rows: list[dict[str, Any]] = []
+        self._shard_bytes = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=queue_rows)
+            self._thread = threading.Thread(target=self._worker, name=f"CacheWriter-{rank}", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ resume
+
+    def _check_layout(self) -> None:
+        """Refuse a different world size or spec than the one this directory was started with."""
+        for path in sorted(self.shards_dir.glob("rank*.spec.json")):
+            recorded = _read_json(path)
+            if recorded["world_size"] != self.world_size:
+                raise ValueError(
+                    f"{path}: this cache was started with world_size {recorded['world_size']}, "
+                    f"this run has {self.world_size}; resume with the same number of processes "
+                    "or write to a new cache directory"
+                )
+        spec_path = self.shards_dir / _spec_name(self.rank)
+        if spec_path.exists():
+            recorded = _read_json(spec_path)
+            old = CacheSpec.from_dict(recorded["spec"])
+            differ = old.identity_diff(self.spec)
+            if differ:
+                raise ValueError(
+                    f"{spec_path}: this cache was started with a different configuration "
+                    f"(fields {differ} differ); rerun with the original options or write to a "
+                    "new cache directory"
+                )
+        write_json_atomic(
+            spec_path,
+            {"format_version": FORMAT_VERSION, "world_size": self.world_size, "spec": self.spec.to_dict()},
+        )
+
+    def _recover(self) -> tuple[int, set[tuple[str, int]], list[dict[str, Any]]]:
+        """Keep this rank's recorded shards 0..n-1 whose files are intact; delete the rest."""
+        prefix = f"rank{self.rank:05d}-"
+        for path in self.shards_dir.glob(prefix + "*.tmp"):
+            path.unlink()
+        done: set[tuple[str, int]] = set()
+        num_shards = 0
+        while True:
+            record_path = self.shards_dir / _record_name(self.rank, num_shards)
+            shard_path = self.shards_dir / shard_name(self.rank, num_shards)
+            if not record_path.exists():
+                break
+            record = _read_json(record_path)
+            if not shard_path.exists() or shard_path.stat().st_size != record["num_bytes"]:
+                break
+            seqs = record["sequences"]
+            done.update(zip(seqs["source_file"], seqs["source_index"]))
+            done.update((r["file"], r["index"]) for r in record["rejects"])
+            num_shards += 1
+        # Anything numbered at or past the first gap is unrecorded or damaged: rewritten below.
+        pattern = re.compile(rf"{prefix}(\d{{5}})\.(arrow|json)$")
+        for path in self.shards_dir.glob(prefix + "*"):
+            match = pattern.match(path.name)
+            if match and int(match.group(1)) >= num_shards:
+                path.unlink()
+        pending: list[dict[str, Any]] = []
+        done_path = self.shards_dir / _done_name(self.rank)
+        if done_path.exists():
+            # Reopening a closed rank: its trailing rejects stay committed, the rank is open again.
+            pending = _read_json(done_path)["rejects"]
+            done.update((r["file"], r["index"]) for r in pending)
+            done_path.unlink()
+            fsync_dir(self.shards_dir)
+        return num_shards, done, pending
+
+    # ------------------------------------------------------------------ public API
+
+    def add(self, *, source: dict[str, Any], tail_mass: Any = None, **arrays: Any) -> None:
+        """Validate and append one sequence (see FORMAT.md for shapes); ValueError names `source`.
+
+        With background=True the arrays are encoded later in the worker thread: do not modify
+        them after the call.
+        """
+        self._raise_pending()
+        key = self._claim(source)
+        row = validate_row(self.spec, source, tail_mass=tail_mass, **arrays)
+        self._open_sources.add(key)
+        self._submit(("row", row, {"file": key[0], "index": key[1]}))
+
+    def reject(self, *, source: dict[str, Any], reason: str) -> None:
+        """Record an input that was not used; it is listed in rejected.jsonl with `reason`."""
+        self._raise_pending()
+        key = self._claim(source)
+        self._open_sources.add(key)
+        self._submit(("reject", {"file": key[0], "index": key[1], "reason": str(reason)}, None))
+
+    def close(self) -> None:
+        """Flush the open shard and pending rejects, then mark this rank complete."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._raise_pending()
+        self._finish_shard()
+        write_json_atomic(
+            self.shards_dir / _done_name(self.rank),
+            {
+                "format_version": FORMAT_VERSION,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "num_shards": self._num_shards,
+                "rejects": self._pending_rejects,
+            },
+        )
+
+    def abort(self) -> None:
+        """Stop without marking the rank complete; the open shard's temporary is deleted."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        if self._arrow is not None:
+            self._arrow.close()
+            self._sink.close()
+            self._tmp_path().unlink(missing_ok=True)
+            self._arrow = self._sink = None
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # ------------------------------------------------------------------ internals
+
+    def _claim(self, source: dict[str, Any]) -> tuple[str, int]:
+        if self._closed:
+            raise ValueError("this CacheWriter is closed")
+        key = _check_source(source)
+        if key in self.done_sources or key in self._open_sources:
+            raise ValueError(
+                f"record {key[1]} of {key[0]} was already written to this cache (rank "
+                f"{self.rank}): skip the sources in writer.done_sources"
+            )
+        return key
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._closed = True
+            raise error
+
+    def _submit(self, item: tuple) -> None:
+        if self._queue is None:
+            self._handle(item)
+            return
+        while True:
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                # The worker may have died with a full queue: surface its error, do not hang.
+                self._raise_pending()
+
+    def _worker(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain after a failure; the caller raises on its next call
+            try:
+                self._handle(item)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                error.add_note(f"raised in the background thread of CacheWriter(rank={self.rank})")
+                self._error = error
+
+    def _handle(self, item: tuple) -> None:
+        kind, payload, source = item
+        if kind == "reject":
+            self._pending_rejects.append(payload)
+            return
+        batch = rows.encode_row(self.spec, source=source, **payload)
+        if self._arrow is None:
+            self._sink = pa.OSFile(str(self._tmp_path()), "wb")
+            self._arrow = pa.ipc.new_file(
+                self._sink, self._schema, options=pa.ipc.IpcWriteOptions(compression=None)
+            )
+        self._arrow.write_batch(batch)
+        self._shard_bytes += batch.nbytes
+        self._shard_rows.append(
+            {
+                "source": source,
+                "length": len(payload["input_ids"]),
+                "num_loss_tokens": int(payload["loss_mask"].sum()),
+                "column_bytes": {name: batch.column(name).nbytes for name in batch.schema.names},
+            }
+        )
+        if len(self._shard_rows) >= self.spec.shard_max_rows or self._shard_bytes >= self.spec.shard_max_bytes:
+            self._finish_shard()
+
+    def _tmp_path(self) -> Path:
+        return self.shards_dir / (shard_name(self.rank, self._num_shards) + ".tmp")
+
+    def _finish_shard(self) -> None:
+        """Seal the open shard: footer, fsync, rename, fsync dir, then its record."""
+        if self._arrow is None:
+            return
+        self._arrow.close()
+        os.fsync(self._sink.fileno())
+        self._sink.close()
+        self._arrow = self._sink = None
+        tmp = self._tmp_path()
+        final = self.shards_dir / shard_name(self.rank, self._num_shards)
+        digest = file_sha256(tmp)
+        os.replace(tmp, final)
+        fsync_dir(self.shards_dir)
+        column_bytes: dict[str, int] = {}
+        for row in self._shard_rows:
+            for name, size in row["column_bytes"].items():
+                column_bytes[name] = column_bytes.get(name, 0) + size
+        record = {
+            "format_version": FORMAT_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shard": self._num_shards,
+            "path": f"{SHARDS_DIR}/{final.name}",
+            "sha256": digest,
+            "num_bytes": final.stat().st_size,
+            "num_sequences": len(self._shard_rows),
+            "num_tokens": sum(r["length"] for r in self._shard_rows),
+            "column_bytes": column_bytes,
+            "sequences": {
+                "source_file": [r["source"]["file"] for r in self._shard_rows],
+                "source_index": [r["source"]["index"] for r in self._shard_rows],
+                "length": [r["length"] for r in self._shard_rows],
+                "num_loss_tokens": [r["num_loss_tokens"] for r in self._shard_rows],
+            },
+            "rejects": self._pending_rejects,
+        }
+        write_json_atomic(self.shards_dir / _record_name(self.rank, self._num_shards), record)
+        for row in self._shard_rows:
+            self.done_sources.add((row["source"]["file"], row["source"]["index"]))
+        self.done_sources.update((r["file"], r["index"]) for r in self._pending_rejects)
+        self._num_shards += 1
+        self._shard_rows = []
+        self._shard_bytes = 0
+        self._pending_rejects = []
+
+
+def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
+    """Merge every rank's records into rejected.jsonl and manifest.json (written last,
+    atomically); returns the opened Cache. Call on one process after all writers closed."""
+    from dflash.shards.reader import open_cache
+
+    cache_dir = Path(cache_dir)
+    shards_dir = cache_dir / SHARDS_DIR
+    for path in shards_dir.glob("rank*.spec.json"):
+        rank = int(path.name[4:9])
+        if rank >= world_size:
+            raise ValueError(
+                f"{path}: rank {rank} wrote to this cache but world_size is {world_size}; "
+                "finalize with the world size the cache was written with"
+            )
+    shards: list[dict[str, Any]] = []
+    rejects: list[dict[str, Any]] = []
+    sequences: dict[str, list] = {"source_file": [], "source_index": [], "length": [], "num_loss_tokens": []}
+    for rank in range(world_size):
+        done_path = shards_dir / _done_name(rank)
+        if not done_path.exists():
+            raise ValueError(
+                f"rank {rank} has not closed its writer ({done_path} is missing): rerun the "
+                "producer so that every rank finishes, then finalize"
+            )
+        recorded = CacheSpec.from_dict(_read_json(shards_dir / _spec_name(rank))["spec"])
+        differ = recorded.identity_diff(spec)
+        if differ:
+            raise ValueError(
+                f"rank {rank} wrote this cache with a different configuration (fields {differ} "
+                "differ from the spec given to finalize_cache)"
+            )
+        done = _read_json(done_path)
+        rejects += done["rejects"]
+        for index in range(done["num_shards"]):
+            record = _read_json(shards_dir / _record_name(rank, index))
+            shard_path = cache_dir / record["path"]
+            if not shard_path.exists() or shard_path.stat().st_size != record["num_bytes"]:
+                raise ValueError(
+                    f"{shard_path} is missing or not {record['num_bytes']} bytes as recorded; "
+                    f"rerun the producer to rewrite rank {rank}'s shards"
+                )
+            rejects += record["rejects"]
+            for key in sequences:
+                sequences[key] += record["sequences"][key]
+            shards.append({key: record[key] for key in (
+                "path", "rank", "sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
+
+    rejects.sort(key=lambda r: (r["file"], r["index"]))
+    write_atomic(
+        cache_dir / REJECTED,
+        "".join(json.dumps(r, sort_keys=True) + "\n" for r in rejects).encode(),
+    )
+    source_files = sorted(set(sequences["source_file"]))
+    file_ids = {name: i for i, name in enumerate(source_files)}
+    column_bytes: dict[str, int] = {}
+    for shard in shards:
+        for name, size in shard["column_bytes"].items():
+            column_bytes[name] = column_bytes.get(name, 0) + size
+    manifest = {
+        "format": "dflash-cache",
+        "format_version": FORMAT_VERSION,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "spec": spec.to_dict(),
+        "world_size": world_size,
+        "num_shards": len(shards),
+        "num_sequences": len(sequences["length"]),
+        "num_tokens": int(sum(sequences["length"])),
+        "num_loss_tokens": int(sum(sequences["num_loss_tokens"])),
+        "num_rejected": len(rejects),
+        "column_bytes": column_bytes,
+        "rejected": REJECTED,
+        "target_dir": TARGET_DIR,
+        "shards": shards,
+        "source_files": source_files,
+        "sequences": {
+            "length": sequences["length"],
+            "num_loss_tokens": sequences["num_loss_tokens"],
+            "source_file": [file_ids[f] for f in sequences["source_file"]],
+            "source_index": sequences["source_index"],
+        },
+    }
+    write_atomic(cache_dir / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
+    return open_cache(cache_dir)
