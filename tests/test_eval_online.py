@@ -1,0 +1,199 @@
+"""Online speculative decoding against tiny random Hugging Face targets: the output equals the
+target's own `generate(do_sample=False)` token for token, and tau counts what was accepted.
+
+Targets are built from configs in code (no download) with a large initialisation, so their
+logits are far apart and the verify-vs-one-token numerics cannot flip an argmax.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash.train.evaluate import Prompt, evaluate_online
+from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.train.speculative import (
+    DrafterProposer,
+    greedy_generate,
+    speculative_generate,
+    target_features,
+)
+
+V, H, NUM_LAYERS = 64, 32, 6
+LAYER_IDS = [1, 3]
+
+
+def tiny_target(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=NUM_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  initializer_range=0.2)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    model.generation_config.repetition_penalty = 1.5  # must not leak into the greedy reference
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    return tiny_target(request.param)
+
+
+def untrained_proposer(target, block_size: int) -> DrafterProposer:
+    torch.manual_seed(1)
+    config = DrafterConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=LAYER_IDS,
+                           num_target_layers=NUM_LAYERS, block_size=block_size, mask_token_id=V - 1,
+                           initializer_range=0.2)
+    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
+                      lm_head=target.get_output_embeddings().weight.detach())
+    return DrafterProposer(DFlashDrafter(config, attention="dense"), head)
+
+
+class OracleProposer:
+    """Drafts from the known greedy output, corrupting block position `wrong_at(block)` (None:
+    nothing) so that every accepted length is exercised."""
+
+    def __init__(self, reference: list[int], prompt_length: int, wrong_at=lambda block, size: None):
+        self.reference, self.prompt_length, self.wrong_at = reference, prompt_length, wrong_at
+        self.length = 0
+        self.blocks = 0
+        self.proposed = []  # (wrong position or None, block size) per proposed block
+
+    def reset(self):
+        self.length = 0
+        self.blocks = 0
+
+    def commit(self, features):
+        assert features.shape[-1] == len(LAYER_IDS) * H
+        self.length += features.shape[0]
+
+    def propose(self, anchor_token, block_size):
+        g = self.length - self.prompt_length  # index of the anchor in the generated tokens
+        assert self.reference[g] == anchor_token
+        drafts = list(self.reference[g + 1:g + block_size])
+        drafts += [0] * (block_size - 1 - len(drafts))
+        wrong = self.wrong_at(self.blocks, block_size)
+        self.proposed.append((wrong, block_size))
+        if wrong is not None and wrong - 1 < len(drafts):
+            drafts[wrong - 1] = (drafts[wrong - 1] + 1) % V
+        self.blocks += 1
+        return drafts
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    return torch.randint(0, V, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("prompt_length, max_new_tokens", [(3, 21), (10, 37), (17, 16)])
+def test_untrained_drafter_is_lossless(target, block_size, prompt_length, max_new_tokens):
+    """Max new token counts that are not multiples of the block size end mid-block."""
+    prompt = prompt_ids(prompt_length, seed=prompt_length)
+    reference = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=set())
+    assert len(reference.tokens) == max_new_tokens
+    out = speculative_generate(target, untrained_proposer(target, block_size), prompt,
+                               max_new_tokens=max_new_tokens, block_size=block_size,
+                               layer_ids=LAYER_IDS, stop_token_ids=set())
+    assert out.tokens == reference.tokens
+    # The prefill makes the first token; every verify commits accepted + 1 of the rest.
+    assert sum(out.acceptance_lengths) == max_new_tokens - 1
+    assert all(1 <= n <= block_size for n in out.acceptance_lengths)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_perfect_drafter_fills_every_block(target, block_size):
+    prompt, n = prompt_ids(9, seed=3), 40
+    reference = greedy_generate(target, prompt, max_new_tokens=n, stop_token_ids=set())
+    out = speculative_generate(target, OracleProposer(reference.tokens, len(prompt)), prompt,
+                               max_new_tokens=n, block_size=block_size, layer_ids=LAYER_IDS,
+                               stop_token_ids=set())
+    assert out.tokens == reference.tokens
+    full, rest = divmod(n - 1, block_size)
+    assert out.acceptance_lengths == [block_size] * full + ([rest] if rest else [])
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_partly_wrong_drafter_accepts_up_to_the_first_error(target, block_size):
+    """Block j's draft at position w = 1 + j % (B-1) is wrong: that block commits exactly w
+    tokens (the w - 1 accepted drafts and the bonus; a block the token budget shortened below
+    w commits all of it), and the output stays exact."""
+    prompt, n = prompt_ids(6, seed=4), 60
+    reference = greedy_generate(target, prompt, max_new_tokens=n, stop_token_ids=set())
+    proposer = OracleProposer(reference.tokens, len(prompt),
+                              wrong_at=lambda block, size: 1 + block % (size - 1))
+    out = speculative_generate(target, proposer, prompt, max_new_tokens=n, block_size=block_size,
+                               layer_ids=LAYER_IDS, stop_token_ids=set())
+    assert out.tokens == reference.tokens
+    expected = [wrong if wrong < size else size for wrong, size in proposer.proposed]
+    assert [wrong for wrong, _ in proposer.proposed[:3]] == [1, 2, 3]
+    # A last verify of one token (budget) drafts nothing and commits the bonus alone.
+    assert out.acceptance_lengths == expected + [1] * (len(out.acceptance_lengths) - len(expected))
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_stop_token_ends_both_outputs(target, block_size):
+    prompt = prompt_ids(8, seed=5)
+    free = greedy_generate(target, prompt, max_new_tokens=30, stop_token_ids=set()).tokens
+    stop = free[12]
+    first = free.index(stop)
+    reference = greedy_generate(target, prompt, max_new_tokens=30, stop_token_ids={stop})
+    assert reference.tokens == free[:first + 1]
+    out = speculative_generate(target, OracleProposer(free, len(prompt)), prompt, max_new_tokens=30,
+                               block_size=block_size, layer_ids=LAYER_IDS, stop_token_ids={stop})
+    assert out.tokens == reference.tokens
+
+
+def test_target_features_are_the_shared_layer_outputs(target):
+    """Features are hidden_states[id + 1] (decoder layer id's output), layer-major."""
+    ids = torch.tensor([prompt_ids(7, seed=6)])
+    outputs = {}
+    hooks = [target.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in LAYER_IDS]
+    try:
+        with torch.no_grad():
+            hidden = target(ids, output_hidden_states=True).hidden_states
+    finally:
+        for hook in hooks:
+            hook.remove()
+    features = target_features(hidden, LAYER_IDS)  # [1, 7, L*H]
+    assert features.shape == (1, 7, len(LAYER_IDS) * H)
+    for slot, layer in enumerate(LAYER_IDS):
+        torch.testing.assert_close(features[..., slot * H:(slot + 1) * H], outputs[layer], rtol=0, atol=0)
+
+
+def test_evaluate_online_reports_lossless_and_speed(target):
+    prompts = [Prompt(source={"file": "p.jsonl", "index": i}, token_ids=prompt_ids(4 + 3 * i, seed=10 + i))
+               for i in range(3)]
+    result = evaluate_online(target, untrained_proposer(target, 4), prompts, max_new_tokens=12,
+                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set())
+    assert result["lossless"] is True
+    assert result["mismatches"] == []
+    assert result["num_prompts"] == 3
+    assert result["new_tokens"] == 36
+    assert 1.0 <= result["acceptance_length"] <= 4.0
+    assert result["tokens_per_s"] > 0 and result["baseline_tokens_per_s"] > 0
+
+
+def test_evaluate_online_reports_a_mismatch(target, monkeypatch):
+    """If the speculative path diverged, `lossless` is false and the mismatch is located."""
+    import dflash.train.evaluate as evaluate
+
+    prompts = [Prompt(source={"file": "p.jsonl", "index": 7}, token_ids=prompt_ids(5, seed=20))]
+    real = evaluate.speculative_generate
+
+    def diverging(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.tokens[3] = (out.tokens[3] + 1) % V
+        return out
+
+    monkeypatch.setattr(evaluate, "speculative_generate", diverging)
+    result = evaluate_online(target, untrained_proposer(target, 4), prompts, max_new_tokens=10,
+                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+    assert result["lossless"] is False
+    (mismatch,) = result["mismatches"]
+    assert (mismatch["file"], mismatch["index"], mismatch["position"]) == ("p.jsonl", 7, 3)
+    assert mismatch["speculative_token"] == (mismatch["reference_token"] + 1) % V
+    assert mismatch["reference_margin"] > 0

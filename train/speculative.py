@@ -1,0 +1,247 @@
+"""Speculative decoding with a DFlash drafter against a live Hugging Face target.
+
+Batch 1, greedy (temperature 0), which is the setting the DFlash paper reports and the one
+where "lossless" has an exact meaning: the output must equal the target's own greedy output
+token for token.
+
+One iteration, with `start` the position of the last committed token (the anchor, which the
+target has produced but not yet consumed):
+
+1. The drafter sees the target features of every committed position `< start` (kept in its
+   context cache) and drafts the block `[x[start], MASK x (B-1)]` in one forward: block
+   position k is its guess for the token at `start + k`.
+2. The target consumes the whole block in one forward over its KV cache. Its argmax at
+   block position k-1 is its own greedy token for `start + k`. Draft k is accepted while
+   every draft 1..k equals that argmax; `accepted` counts them.
+3. The committed tokens are the anchor and the accepted drafts (positions `start ..
+   start + accepted`); the target's argmax after the last of them is the bonus token, the
+   next anchor. The target's KV cache and the drafter's context are cut back / extended to
+   exactly the committed positions, using the target features the verify forward computed.
+
+Each verify commits `accepted + 1` tokens; the mean of that over verifications is the
+acceptance length tau reported by `dflash-train eval --online` (as z-lab's benchmark does).
+
+The target features are `hidden_states[hidden_state_index(id)]` for the drafter's layer ids,
+concatenated in that order: the definition of `dflash.shards.layers`, which stage one uses
+for the cache. Note that Hugging Face's last `hidden_states` entry is after the final norm;
+the DFlash layer rule never selects the last layer.
+
+Numerics: the verify forward runs the target on B query tokens at once, while the reference
+(`transformers`' `generate`) runs one token at a time. The two can differ in the last bits,
+which flips an argmax only at a near-tie. Every generated token therefore carries the
+target's top-1 minus top-2 logit margin at that step, so a mismatch can be judged (a margin
+of 1e-6 is a tie, a margin of 1 is a bug). Run the target in float32 for the lossless check.
+
+What this file trades off: it keeps the drafter behind a tiny `Proposer` interface (reset,
+commit features, propose a block) so the loop is tested with oracle and always-wrong
+proposers as well as the real drafter, at the cost of one indirection per block.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from dflash.shards import hidden_state_index
+from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """The drafter's context features from a Hugging Face forward's `hidden_states`.
+
+    hidden_states: `output_hidden_states=True` output, each [batch, T, H]. Returns
+    [batch, T, L*H], layer-major in the order of `layer_ids` (the cache's [T, L, H]
+    flattened).
+    """
+    return torch.cat([hidden_states[hidden_state_index(i)] for i in layer_ids], dim=-1)
+
+
+class Proposer(Protocol):
+    """What the decoding loop needs of a drafter."""
+
+    def reset(self) -> None:
+        """Forget all context (a new prompt starts)."""
+
+    def commit(self, features: torch.Tensor) -> None:
+        """Append the target features [n, L*H] of the next n committed positions."""
+
+    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        """Draft the block anchored at the position right after the committed context:
+        returns block_size - 1 token ids (block positions 1..block_size-1)."""
+
+
+class DrafterProposer:
+    """A `DFlashDrafter` with its context cache, drafting greedily through the target's
+    embedding and LM head."""
+
+    def __init__(self, drafter: DFlashDrafter, head: TargetHead):
+        self.drafter = drafter.eval()
+        self.head = head
+        self.mask_token_id = drafter.config.mask_token_id
+        self.cache = DrafterContextCache()
+
+    def reset(self) -> None:
+        self.cache = DrafterContextCache()
+
+    def commit(self, features: torch.Tensor) -> None:
+        self.drafter.append_context(self.cache, features[None])  # [1, n, L*H]
+
+    @torch.inference_mode()
+    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        device = self.head.embed_tokens.device
+        block = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        block[0, 0] = anchor_token
+        hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, B, H]
+        logits = self.head.logits(hidden[0, 1:])  # [B-1, V]
+        return logits.argmax(-1).tolist()
+
+
+@dataclass
+class DecodeResult:
+    """One prompt's decoding."""
+
+    tokens: list[int]
+    """Generated ids after the prompt, ending at the first stop token or max_new_tokens."""
+    margins: list[float]
+    """Per generated token: the target's top-1 minus top-2 logit where it chose that token."""
+    acceptance_lengths: list[int] = field(default_factory=list)
+    """Per target verify: tokens committed (accepted drafts + 1). Empty for plain greedy."""
+    elapsed_s: float = 0.0
+    """Wall time of the whole call, prefill included."""
+
+
+def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> [n] top-1 minus top-2 logit, in float32."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_kwarg(target: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in newer transformers 5 releases,
+    `past_key_values` before (and deprecated since)."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Cut a Hugging Face KV cache back to its first `length` positions."""
+    remove = cache.get_seq_length() - length
+    if remove:
+        cache.crop(-remove)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: torch.nn.Module,
+    proposer: Proposer,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    block_size: int,
+    layer_ids: list[int],
+    stop_token_ids: set[int],
+) -> DecodeResult:
+    """Greedy speculative decoding of one prompt (see the module docstring for the loop).
+
+    The last verification is shortened so that no more than `max_new_tokens` tokens are
+    produced; a stop token ends the output (and is part of it), as in `generate`.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    device = target.device
+    _sync(device)
+    t0 = time.perf_counter()
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
+    kv = DynamicCache(config=target.config)
+    cache_arg = _cache_kwarg(target)
+    out = target(prompt, **{cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    proposer.reset()
+    proposer.commit(target_features(out.hidden_states, layer_ids)[0])  # [T0, L*H]
+    last = out.logits[0, -1:]  # [1, V]
+    tokens = last.argmax(-1).tolist()
+    margins = _top2_margin(last).tolist()
+    acceptance: list[int] = []
+    while tokens[-1] not in stop_token_ids and len(tokens) < max_new_tokens:
+        start = len(prompt_ids) + len(tokens) - 1  # position of the anchor, not yet consumed
+        size = min(block_size, max_new_tokens - len(tokens))  # commits at most `size` tokens
+        block = [tokens[-1]] + (proposer.propose(tokens[-1], size) if size > 1 else [])
+        out = target(
+            torch.tensor([block], dtype=torch.long, device=device),  # [1, size]
+            position_ids=torch.arange(start, start + size, device=device)[None],
+            **{cache_arg: kv}, use_cache=True, output_hidden_states=True,
+        )
+        logits = out.logits[0]  # [size, V]
+        choice = logits.argmax(-1).tolist()  # target's greedy token after each block position
+        accepted = 0
+        while accepted < size - 1 and block[accepted + 1] == choice[accepted]:
+            accepted += 1
+        new = choice[: accepted + 1]  # accepted drafts (equal to the target's) + bonus
+        new_margins = _top2_margin(logits[: accepted + 1]).tolist()
+        for i, token in enumerate(new):
+            tokens.append(token)
+            margins.append(new_margins[i])
+            if token in stop_token_ids:
+                break
+        acceptance.append(accepted + 1)
+        _crop(kv, start + accepted + 1)
+        proposer.commit(target_features(out.hidden_states, layer_ids)[0, : accepted + 1])  # [a+1, L*H]
+    _sync(device)
+    return DecodeResult(tokens=tokens, margins=margins, acceptance_lengths=acceptance,
+                        elapsed_s=time.perf_counter() - t0)
+
+
+def greedy_generate(
+    target: torch.nn.Module,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+) -> DecodeResult:
+    """The target's own greedy output through `generate(do_sample=False)`, timed.
+
+    The target's `generation_config` is swapped for a bare one during the call: `generate`
+    merges a model's saved defaults (repetition penalty, forced tokens, ...) into any config
+    it is given, and speculative decoding reproduces plain argmax decoding only.
+    """
+    device = target.device
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
+    stops = sorted(stop_token_ids)
+    bare = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=stops or None,
+        pad_token_id=stops[0] if stops else 0,
+        output_scores=True, return_dict_in_generate=True,
+    )
+    saved = target.generation_config
+    target.generation_config = GenerationConfig()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=bare)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        target.generation_config = saved
+    tokens = out.sequences[0, prompt.shape[1]:].tolist()
+    margins = _top2_margin(torch.cat(out.scores)).tolist() if out.scores else []
+    return DecodeResult(tokens=tokens, margins=margins[: len(tokens)], elapsed_s=elapsed)
+
+
+__all__ = [
+    "DecodeResult",
+    "DrafterProposer",
+    "Proposer",
+    "greedy_generate",
+    "speculative_generate",
+    "target_features",
+]
