@@ -74,6 +74,7 @@ class Cache:
 
     def __init__(self, root: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
         self.root = Path(root)
+        self.path = self.root  # alias: the cache directory
         manifest_path = self.root / MANIFEST
         if not manifest_path.exists():
             raise ValueError(

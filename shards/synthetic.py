@@ -44,8 +44,9 @@ def zipf_topk(
         best_logits = np.take_along_axis(logits, best, axis=1)
         order = np.argsort(-best_logits, axis=1)
         ranks = np.take_along_axis(best, order, axis=1)
-        # A random permutation of the vocabulary maps ranks to token ids.
-        ids[start:start + n] = rng.permutation(vocab_size)[ranks]
+        # A random permutation of the vocabulary, rotated per token, maps ranks to token ids.
+        shifts = rng.integers(0, vocab_size, size=(n, 1))
+        ids[start:start + n] = rng.permutation(vocab_size)[(ranks + shifts) % vocab_size]
         logprobs[start:start + n] = np.take_along_axis(best_logits, order, axis=1) - logz
     return ids, logprobs
 
@@ -72,7 +73,13 @@ def synthetic_row(
         raw += np.log(rng.uniform(0.5, 1.0, size=(num_tokens, 1)))
         topk_logprobs = (raw - np.logaddexp.reduce(raw, axis=1, keepdims=True)
                          + np.log(rng.uniform(0.5, 1.0, size=(num_tokens, 1)))).astype(np.float32)
+    # Each next token is drawn from the cached distribution of the position before it (one of
+    # the top-k, or a random id for the tail), as in text the target generated itself.
     input_ids = rng.integers(0, spec.vocab_size, size=num_tokens, dtype=np.int64)  # [T]
+    probs = np.exp(topk_logprobs[:-1].astype(np.float64))  # [T-1, k]
+    pick = (rng.uniform(size=(num_tokens - 1, 1)) < np.cumsum(probs, axis=1)).argmax(axis=1)
+    in_topk = rng.uniform(size=num_tokens - 1) < probs.sum(axis=1)
+    input_ids[1:] = np.where(in_topk, topk_ids[np.arange(num_tokens - 1), pick], input_ids[1:])
     loss_mask = np.zeros(num_tokens, dtype=bool)  # [T]: a prompt, then the reply
     loss_mask[num_tokens // 3:] = True
     return {

@@ -200,6 +200,13 @@ def validate_row(
     }
 
 
+def _value_bytes(column: pa.Array) -> int:
+    """Bytes of a column's values (list offsets excluded: they are per row, not per token)."""
+    if pa.types.is_large_list(column.type):
+        return column.flatten().nbytes
+    return column.nbytes
+
+
 class CacheWriter:
     """Writes one rank's shards of a cache; resumes where an earlier writer of the rank stopped.
 
@@ -430,7 +437,7 @@ class CacheWriter:
                 "source": source,
                 "length": len(payload["input_ids"]),
                 "num_loss_tokens": int(payload["loss_mask"].sum()),
-                "column_bytes": {name: batch.column(name).nbytes for name in batch.schema.names},
+                "column_bytes": {name: _value_bytes(batch.column(name)) for name in batch.schema.names},
             }
         )
         if len(self._shard_rows) >= self.spec.shard_max_rows or self._shard_bytes >= self.spec.shard_max_bytes:
