@@ -1,0 +1,198 @@
+"""Checkpoints written in the background, atomically, and loaded without unpickling.
+
+`CheckpointWriter.save` copies the model and optimizer state to host memory (reused pinned
+buffers on CUDA: one device-to-host copy, then training continues) and hands the copy to a
+writer thread. The thread writes `RUN/checkpoints/.step-XXXXXXXX.tmp/` (model.safetensors,
+optimizer.pt, state.json), fsyncs every file and the folder, renames it to `step-XXXXXXXX`
+and fsyncs the parent: a crash at any instant leaves either the previous set of complete
+checkpoints or the new one, never a readable half. Then it deletes all but the newest
+`keep` complete checkpoints. A failure in the thread is raised in the training loop on the
+next `check()` / `save()` / `close()`.
+
+Loading reads the weights with safetensors and the optimizer state with
+`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
+A save while the previous write is still running waits for it (logged as `wait_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHECKPOINT_VERSION = 1
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass
+class CheckpointEvent:
+    """A finished write: its step, folder and durations (snapshot on the training thread,
+    wait for the previous write, write in the background)."""
+
+    step: int
+    path: str
+    snapshot_s: float
+    wait_s: float
+    write_s: float
+    bytes: int
+
+
+class CheckpointWriter:
+    def __init__(self, run_dir: Path, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished: list[CheckpointEvent] = []
+        self._lock = threading.Lock()
+        self._buffers: dict[str, torch.Tensor] = {}
+        for stale in self.root.glob(".step-*.tmp"):  # left by a crash mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def check(self) -> None:
+        """Raise the writer thread's exception, if it failed."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint writer failed: {error}") from error
+
+    def pop_finished(self) -> list[CheckpointEvent]:
+        with self._lock:
+            events, self._finished = self._finished, []
+        return events
+
+    def save(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+             state: dict) -> None:
+        """Snapshot to host memory now, write in the background. `state` is JSON-able."""
+        self.check()
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self.check()
+        wait_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        model_host = {name: self._to_host(f"model.{name}", t) for name, t in model_state.items()}
+        optimizer_host = self._snapshot_tree(optimizer_state, "optim")
+        if any(t.is_cuda for t in model_state.values()):
+            torch.cuda.synchronize()
+        snapshot_s = time.perf_counter() - t1
+        payload = {"version": CHECKPOINT_VERSION, "step": step, **state}
+        self._thread = threading.Thread(
+            target=self._write, name=f"checkpoint-{step}", daemon=True,
+            args=(step, model_host, optimizer_host, payload, snapshot_s, wait_s))
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the pending write (if any) is done, then raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    close = wait
+
+    # -- internals -------------------------------------------------------------------
+
+    def _to_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.is_cuda:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._buffers[key] = buffer
+            return buffer.copy_(tensor, non_blocking=True)
+        return tensor.clone()  # the optimizer updates parameters in place: copy now
+
+    def _snapshot_tree(self, value, key: str):
+        if isinstance(value, torch.Tensor):
+            return self._to_host(key, value)
+        if isinstance(value, dict):
+            return {k: self._snapshot_tree(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._snapshot_tree(v, f"{key}.{i}") for i, v in enumerate(value))
+        return value
+
+    def _write(self, step, model_host, optimizer_host, payload, snapshot_s, wait_s) -> None:
+        try:
+            t0 = time.perf_counter()
+            name = f"step-{step:08d}"
+            tmp = self.root / f".{name}.tmp"
+            final = self.root / name
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            from safetensors.torch import save_file
+
+            save_file(model_host, str(tmp / "model.safetensors"))
+            torch.save(optimizer_host, tmp / "optimizer.pt")
+            (tmp / "state.json").write_text(json.dumps(payload, indent=1, sort_keys=True))
+            size = 0
+            for path in tmp.iterdir():
+                size += path.stat().st_size
+                _fsync_file(path)
+            _fsync_dir(tmp)
+            if final.exists():  # a rerun that reached the same step again: replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            for old in list_checkpoints(self.root.parent)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            event = CheckpointEvent(step, str(final), snapshot_s, wait_s, time.perf_counter() - t0, size)
+            with self._lock:
+                self._finished.append(event)
+        except BaseException as error:  # re-raised in the training loop by check()
+            self._error = error
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary folders are never listed)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> tuple[dict, dict, dict]:
+    """(model state, optimizer state, state.json) of a checkpoint folder; no unpickling."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path}/state.json has checkpoint version {state.get('version')!r}; this dflash "
+            f"reads version {CHECKPOINT_VERSION}: resume with the dflash that wrote it"
+        )
+    model = load_file(str(path / "model.safetensors"), device=str(device))
+    optimizer = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    return model, optimizer, state

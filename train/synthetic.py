@@ -1,0 +1,70 @@
+"""A synthetic cache with a `target/` folder: stage two's tests and benchmarks without a target.
+
+`dflash.shards.synthetic` writes the rows; this adds what `dflash-precompute` would put in
+`CACHE/target/` (a Qwen3-style config.json, target.json, head.safetensors with a random
+embedding and LM head), so `dflash-train fit` runs on it end to end. The numbers mean
+nothing; shapes, formats and code paths are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_size: int,
+                           num_layers: int, layer_ids: list[int], num_attention_heads: int,
+                           num_key_value_heads: int, head_dim: int, intermediate_size: int,
+                           mask_token_id: int | None = None, seed: int = 0,
+                           dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json, target.json and head.safetensors for an imaginary Qwen3 target."""
+    from safetensors.torch import save_file
+
+    target_dir = Path(target_dir)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
+        "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim, "intermediate_size": intermediate_size, "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    }
+    (target_dir / "config.json").write_text(json.dumps(config, indent=1))
+    target = {
+        "layer_ids": list(layer_ids), "num_layers": num_layers, "hidden_size": hidden_size,
+        "vocab_size": vocab_size, "tie_word_embeddings": False, "model_type": "qwen3",
+        "mask_token_id": mask_token_id, "pad_token_id": None, "eos_token_id": vocab_size - 1,
+        "bos_token_id": None, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    }
+    (target_dir / "target.json").write_text(json.dumps(target, indent=1))
+    generator = torch.Generator().manual_seed(seed)
+    embed = torch.randn(vocab_size, hidden_size, generator=generator) * 0.5  # [V, H]
+    head = torch.randn(vocab_size, hidden_size, generator=generator) / hidden_size ** 0.5  # [V, H]
+    save_file({"embed_tokens.weight": embed.to(dtype).contiguous(),
+               "lm_head.weight": head.to(dtype).contiguous()}, str(target_dir / "head.safetensors"))
+
+
+def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int], vocab_size: int = 64,
+                                   hidden_size: int = 32, layer_ids: tuple[int, ...] = (0, 2, 4),
+                                   num_layers: int = 6, top_k: int = 4, num_attention_heads: int = 4,
+                                   num_key_value_heads: int = 2, head_dim: int = 8,
+                                   intermediate_size: int = 64, feature_codec: str = "bf16",
+                                   seed: int = 0, zipf: bool = False):
+    """A finalized cache of random rows plus its target/ folder; returns the open Cache."""
+    from dflash.shards import CacheSpec
+    from dflash.shards.synthetic import write_synthetic_cache
+
+    spec = CacheSpec(vocab_size=vocab_size, hidden_size=hidden_size, layer_ids=list(layer_ids),
+                     top_k=top_k, feature_codec=feature_codec, max_length=int(np.max(lengths)),
+                     target={"name": "synthetic", "model_type": "qwen3", "num_layers": num_layers,
+                             "config_sha256": "synthetic", "dtype": "bfloat16"})
+    cache = write_synthetic_cache(cache_dir, spec, lengths, seed=seed, zipf=zipf)
+    write_synthetic_target(Path(cache_dir) / "target", vocab_size=vocab_size, hidden_size=hidden_size,
+                           num_layers=num_layers, layer_ids=list(layer_ids),
+                           num_attention_heads=num_attention_heads,
+                           num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                           intermediate_size=intermediate_size, seed=seed)
+    return cache
