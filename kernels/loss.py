@@ -90,8 +90,8 @@ def sparse_kl_loss(
                 "use impl='torch' on this machine"
             ) from err
         lse, z_sel, argmax = sparse_kl.triton_lse_gather(
-            hidden, weight, ids, vocab_pass=need_lse or return_argmax, dense_grad=need_lse,
-            workspace_bytes=workspace_bytes, config=triton_config,
+            hidden, weight, ids, vocab_pass=need_lse or return_argmax, workspace_bytes=workspace_bytes,
+            config=triton_config,
         )
 
     n = hidden.shape[0]

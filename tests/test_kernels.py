@@ -15,19 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from dflash.kernels import sparse_kl_loss
+from dflash.kernels.sparse_kl import TritonConfig
 
-IMPLS = ["naive", "torch"]
+IMPLS = ["naive", "torch", "triton"]
 # (N, H, V, k): odd sizes everywhere (masks, partial tiles and chunks) and a round one.
 SHAPES = {"odd": (37, 48, 1031, 7), "round": (64, 64, 512, 8)}
 
 # Small tiles keep the interpreter's program count low (it runs programs one by one) while
 # still exercising partial tiles, several H steps, two vocabulary splits and three backward
 # chunks; the torch path gets a workspace of 16 rows so that N=37 spans three chunks.
+TRITON_TEST_CONFIG = TritonConfig(block_n=16, block_v=128, block_h=32, num_splits=2)
 
 
 def impl_kwargs(impl: str, v: int) -> dict:
     if impl == "torch":
         return {"impl": "torch", "workspace_bytes": 16 * v * 4}
+    if impl == "triton":
+        return {"impl": "triton", "workspace_bytes": 16 * v * 2, "triton_config": TRITON_TEST_CONFIG}
     return {"impl": impl}
 
 
@@ -220,7 +224,7 @@ def test_argmax_is_logits_argmax(impl, tail):
     assert loss.item() == pytest.approx(truth(hidden, weight, ids, logprobs, tail=tail).item(), rel=FP32_TOL)
 
 
-@pytest.mark.parametrize("impl", ["torch"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("tail", ["bucket", "renorm"])
 def test_bf16_no_worse_than_bf16_reference(impl, tail):
     """The Cut Cross-Entropy criterion: with bf16 inputs, the error against the fp64 truth
