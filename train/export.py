@@ -1,0 +1,407 @@
+"""`dflash-train export`: a trained drafter as a Hugging Face folder in z-lab's DFlash format,
+and loading drafters back (from a run's checkpoint or from such a folder).
+
+The folder holds what z-lab/dflash's `DFlashDraftModel.from_pretrained` and the serving
+engines that adopted its format read:
+
+- `config.json`: a Qwen3 config (`model_type: "qwen3"`, every attention/MLP/norm/RoPE field
+  written out, RoPE both as `rope_parameters` and as the older top-level `rope_theta`, all
+  layers `full_attention`) plus the DFlash fields: `architectures: ["DFlashDraftModel"]`,
+  top-level `block_size` and `num_target_layers`, and `dflash_config` with
+  `target_layer_ids` (the target decoder layers whose outputs feed the drafter, in feature
+  order; Hugging Face `hidden_states[id + 1]`) and `mask_token_id` (a row of the target's
+  embedding).
+- `model.safetensors`: the drafter's parameters under z-lab's names (`fc.weight`,
+  `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
+  `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
+  `layers.N.{input,post_attention}_layernorm.weight`). No embedding and no LM head: the
+  drafter borrows the target's, frozen.
+- `README.md`: a model card with the training config, the cache it was trained from and
+  the acceptance length measured by `dflash-train eval` for this checkpoint, when there is one.
+
+No `auto_map`: the folder ships no modelling code, so `AutoModel` with trust_remote_code
+cannot load it; load it with z-lab's class (or a serving engine), as their checkpoints are.
+
+What this file trades off: the config is written field by field rather than through
+`transformers.Qwen3Config.to_dict()`, so the file does not change with the installed
+transformers version and carries no unrelated defaults (id2label, return_dict, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from dflash.shards import open_cache
+from dflash.train.checkpoint import latest_checkpoint
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+ARCHITECTURE = "DFlashDraftModel"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------
+# The format
+# ---------------------------------------------------------------------------------------
+
+
+def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of an exported drafter. token_ids: bos/eos/pad ids of the target (optional)."""
+    import transformers
+
+    n = config.num_hidden_layers
+    data: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+        },
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": n,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * n,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "tie_word_embeddings": False,
+        "initializer_range": config.initializer_range,
+        "use_cache": True,
+        "dtype": dtype,
+        "transformers_version": transformers.__version__,
+    }
+    for key, value in (token_ids or {}).items():
+        if value is not None:
+            data[key] = value
+    return data
+
+
+def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
+    """A DrafterConfig from an exported (or z-lab) config.json; ValueError naming `where` and
+    the field when the checkpoint uses a feature this drafter does not implement."""
+    dflash = data.get("dflash_config") or {}
+
+    def pick(name: str, default: Any = None) -> Any:
+        return dflash.get(name, data.get(name, default))
+
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise ValueError(f"{where}: architectures is {data.get('architectures')!r}, not [{ARCHITECTURE!r}]")
+    unsupported = {
+        "attention_bias": bool(data.get("attention_bias")),
+        "layer_types": any(t != "full_attention" for t in data.get("layer_types") or []),
+        "rope_parameters.rope_type": (data.get("rope_parameters") or {}).get("rope_type", "default") != "default",
+        "is_causal": bool(data.get("is_causal")),
+        "hidden_act": data.get("hidden_act", "silu") != "silu",
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise ValueError(f"{where}: this drafter implements full bidirectional attention without bias, "
+                         f"default RoPE and SiLU; the checkpoint sets {bad}")
+    for name in ("target_layer_ids", "mask_token_id"):
+        if pick(name) is None:
+            raise ValueError(f"{where}: dflash_config.{name} is missing")
+    rope_theta = (data.get("rope_parameters") or {}).get("rope_theta", data.get("rope_theta", 10000.0))
+    heads = int(data["num_attention_heads"])
+    return DrafterConfig(
+        hidden_size=int(data["hidden_size"]),
+        intermediate_size=int(data["intermediate_size"]),
+        num_hidden_layers=int(data["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
+        vocab_size=int(data["vocab_size"]),
+        target_layer_ids=[int(i) for i in pick("target_layer_ids")],
+        num_target_layers=int(pick("num_target_layers", max(pick("target_layer_ids")) + 1)),
+        block_size=int(pick("block_size", 16)),
+        mask_token_id=int(pick("mask_token_id")),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+        initializer_range=float(data.get("initializer_range", 0.02)),
+    )
+
+
+def is_exported(path: str | Path) -> bool:
+    """Whether `path` is a folder with a DFlash draft config.json and weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
+                  dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load an exported folder (ours or z-lab's format) into a DFlashDrafter."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = drafter_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    drafter = DFlashDrafter(config)
+    _load_weights(drafter, load_file(str(path / "model.safetensors")), path / "model.safetensors")
+    return drafter.to(device=device, dtype=dtype)
+
+
+def _load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
+    expected = drafter.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"{where}: parameters do not match the drafter's config: missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, the config implies "
+                             f"{tuple(expected[name].shape)}")
+    drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
+
+
+def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype | None = None,
+                 token_ids: dict[str, Any] | None = None, card: str | None = None) -> Path:
+    """Write the folder: config.json, model.safetensors, README.md (when `card` is given).
+
+    Written under a temporary name and renamed, so `out` exists complete or not at all; an
+    existing `out` is refused (ValueError) rather than overwritten.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"{out} already exists: remove it or export to another --out")
+    state = drafter.state_dict()
+    weights_dtype = dtype or next(iter(state.values())).dtype
+    dtype_name = next(name for name, value in DTYPES.items() if value == weights_dtype)
+    assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {name: t.detach().to("cpu", weights_dtype).contiguous() for name, t in state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if card is not None:
+        (tmp / "README.md").write_text(card)
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter and where it came from."""
+
+    drafter: DFlashDrafter
+    checkpoint: Path
+    """The checkpoint folder (RUN/checkpoints/step-N) or exported folder it was read from."""
+    step: int | None
+    """Training step of the checkpoint (None for an exported folder)."""
+    fit_config: dict[str, Any] | None
+    """RUN/config.json, when loaded from a run."""
+
+
+def load_drafter(run: str | Path | None, checkpoint: str | Path | None = None, *,
+                 device: torch.device | str = "cpu") -> LoadedDrafter:
+    """The drafter of `checkpoint` (a RUN/checkpoints/step-N folder, or an exported folder),
+    by default RUN's newest complete checkpoint. Weights stay float32."""
+    from safetensors.torch import load_file
+
+    if checkpoint is not None and is_exported(checkpoint):
+        fit_config = _read_json(Path(run) / "config.json") if run is not None else None
+        return LoadedDrafter(load_exported(checkpoint, device=device), Path(checkpoint), None, fit_config)
+    if run is None:
+        raise ValueError("give --run (a folder written by dflash-train fit), or --checkpoint with an "
+                         "exported drafter folder")
+    run = Path(run)
+    fit_config = _read_json(run / "config.json")
+    drafter_config = DrafterConfig.from_dict(_read_json(run / "drafter_config.json"))
+    if checkpoint is None:
+        checkpoint = latest_checkpoint(run)
+        if checkpoint is None:
+            raise ValueError(f"{run}/checkpoints holds no complete checkpoint: train first, or pass --checkpoint")
+    checkpoint = Path(checkpoint)
+    weights = checkpoint / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{weights} does not exist: --checkpoint takes a RUN/checkpoints/step-N folder "
+                         "or an exported drafter folder")
+    drafter = DFlashDrafter(drafter_config)
+    _load_weights(drafter, load_file(str(weights)), weights)
+    state = _read_json(checkpoint / "state.json") if (checkpoint / "state.json").is_file() else {}
+    return LoadedDrafter(drafter.to(device), checkpoint, state.get("step"), fit_config)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: is this a run folder written by dflash-train fit?") from None
+
+
+def eval_results_path(run: Path, checkpoint: Path) -> Path:
+    """Where `dflash-train eval` keeps the figures of a checkpoint of a run."""
+    return Path(run) / "eval" / f"{Path(checkpoint).name}.json"
+
+
+def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None) -> str:
+    """README.md of an export: what the drafter is for, how it was trained, what it measured."""
+    c = loaded.drafter.config
+    fit = loaded.fit_config or {}
+    caches = []
+    for path in fit.get("cache", []):
+        try:
+            cache = open_cache(path, check_rows=False)
+        except (ValueError, OSError) as error:
+            caches.append({"path": path, "note": f"not readable at export time: {error}"})
+            continue
+        spec = cache.spec
+        caches.append({
+            "path": path, "target": spec.target.get("name"),
+            "num_sequences": len(cache), "num_tokens": int(cache.num_tokens),
+            "layer_ids": spec.layer_ids, "top_k": spec.top_k, "feature_codec": spec.feature_codec,
+            "topk_codec": spec.topk_codec, "max_length": spec.max_length,
+            "regenerated": spec.regenerated, "generation_temperature": spec.generation_temperature,
+            "inputs": spec.inputs,
+        })
+    target = next((entry.get("target") for entry in caches if entry.get("target")), None)
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [dflash, speculative-decoding, draft-model]",
+        *([f"base_model: {target}"] if target else []),
+        "---",
+        "",
+        f"# DFlash drafter{f' for {target}' if target else ''}",
+        "",
+        "A block-diffusion draft model for speculative decoding (DFlash, arXiv 2602.06036), trained "
+        "with dflash from an offline target cache. It drafts a block of "
+        f"{c.block_size} tokens (the last committed token and {c.block_size - 1} guesses) in one "
+        f"forward from the target's layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
+        f"layers; Hugging Face `hidden_states[id + 1]`). It has no embedding and no LM head: it uses "
+        f"the target's, frozen. Mask token id: {c.mask_token_id}.",
+        "",
+        f"Shape: {c.num_hidden_layers} Qwen3-style layers, hidden {c.hidden_size}, MLP "
+        f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
+        f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}.",
+        "",
+        "Load it with z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` next to the target.",
+        "",
+        "## Measured acceptance length",
+        "",
+    ]
+    if evaluation:
+        lines += _evaluation_lines(evaluation)
+    else:
+        lines += ["Not measured for this checkpoint: run `dflash-train eval` on the run before exporting."]
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"Checkpoint: `{loaded.checkpoint}`" + (f" (step {loaded.step})" if loaded.step is not None else ""),
+        "",
+        "```json",
+        json.dumps(fit, indent=2) if fit else "{}",
+        "```",
+        "",
+        "## Training data (dflash caches)",
+        "",
+        "```json",
+        json.dumps(caches, indent=2),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
+    lines = ["| measure | acceptance length (tau) | on |", "|---|---|---|"]
+    if evaluation.get("acceptance_length") is not None:
+        lines.append(f"| offline, all held-out anchors | {evaluation['acceptance_length']:.3f} | "
+                     f"{evaluation.get('num_anchors')} anchors of {evaluation.get('num_sequences')} sequences |")
+    if evaluation.get("replay_acceptance_length") is not None:
+        lines.append(f"| offline, greedy decoding replayed | {evaluation['replay_acceptance_length']:.3f} | "
+                     f"{evaluation.get('num_replay_verifications')} verifications |")
+    online = evaluation.get("online")
+    if online and online.get("acceptance_length") is not None:
+        lines.append(f"| online, greedy speculative decoding | {online['acceptance_length']:.3f} | "
+                     f"{online.get('num_prompts')} prompts, lossless: {online.get('lossless')}, "
+                     f"{online.get('tokens_per_s') or 0:.1f} tok/s against "
+                     f"{online.get('baseline_tokens_per_s') or 0:.1f} tok/s plain greedy "
+                     f"({online.get('device', '?')}) |")
+    lines += ["", f"Block size {evaluation.get('block_size')}; tau counts the target's bonus token."]
+    return lines
+
+
+def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
+               dtype: str = "auto") -> Path:
+    """Export RUN's checkpoint (newest by default) to `out`; returns `out`."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    loaded = load_drafter(run, checkpoint)
+    run = Path(run)
+    results = eval_results_path(run, loaded.checkpoint)
+    evaluation = json.loads(results.read_text()) if results.is_file() else None
+    token_ids = None
+    caches = (loaded.fit_config or {}).get("cache") or []
+    if caches and (Path(caches[0]) / "target" / "target.json").is_file():
+        target = _read_json(Path(caches[0]) / "target" / "target.json")
+        token_ids = {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    card = model_card(loaded, evaluation=evaluation)
+    return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
+                        token_ids=token_ids, card=card)
+
+
+@click.command("export")
+@click.option("--run", "run", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Run folder written by dflash-train fit.")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="A RUN/checkpoints/step-N folder (default: the newest complete one).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to create.")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
+              help="Weight dtype in model.safetensors (auto: as trained, float32).")
+def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) -> None:
+    """Write a Hugging Face folder in z-lab's DFlash draft format."""
+    try:
+        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
+
+
+__all__ = [
+    "ARCHITECTURE",
+    "LoadedDrafter",
+    "drafter_config_from_hf",
+    "eval_results_path",
+    "export_command",
+    "export_run",
+    "hf_config",
+    "is_exported",
+    "load_drafter",
+    "load_exported",
+    "model_card",
+    "write_export",
+]
