@@ -127,7 +127,7 @@ def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
             try:
                 yield InputRecord(name, index, json.loads(line))
             except json.JSONDecodeError as e:
-                yield InputRecord(name, index, None, f"invalid JSON on line {index + 1}: {e.msg}")
+                yield InputRecord(name, index, None, f"invalid JSON: {e.msg}")
 
 
 def _iter_json(path: Path, name: str) -> Iterator[InputRecord]:

@@ -130,11 +130,20 @@ def resolve_layer_ids(layer_ids: list[int] | None, num_feature_layers: int, num_
     """The explicit ids checked against the target's depth, or the DFlash rule's ids."""
     if layer_ids is None:
         return default_layer_ids(num_layers, num_feature_layers)
+    given = ",".join(map(str, layer_ids))
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(
-            f"--feature-layers {','.join(map(str, layer_ids))}: {bad} out of range for {where}, "
+            f"--feature-layers {given}: {bad} out of range for {where}, "
             f"which has {num_layers} decoder layers (ids 0..{num_layers - 1})"
+        )
+    if num_layers - 1 in layer_ids:
+        # Hugging Face reports the last layer after the final norm (hidden_states[-1]), so
+        # "hidden_states[id + 1]" and "the layer's output" disagree there; DFlash never uses it.
+        raise ValueError(
+            f"--feature-layers {given}: {num_layers - 1} is the last decoder layer of {where}, "
+            "whose Hugging Face hidden state is taken after the final norm; choose ids up to "
+            f"{num_layers - 2} (the DFlash rule stops at {max(0, num_layers - 3)})"
         )
     return list(layer_ids)
 

@@ -44,7 +44,7 @@ def test_jsonl_reader_indexes_lines_and_reports_bad_json(tmp_path):
     records = list(iter_records([path]))
     assert [(r.index, r.data, r.error is None) for r in records] == [
         (0, {"text": "a"}, True), (1, None, False), (2, {"text": "b"}, True), (4, {"text": "c"}, True)]
-    assert "line 2" in records[1].error
+    assert records[1].error.startswith("invalid JSON")
     assert records[0].source == {"file": str(path), "index": 0}
 
 

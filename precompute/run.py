@@ -1,0 +1,656 @@
+"""Stage one's main loop and its distributed orchestration: `run_precompute(config)`.
+
+One process per device (spawned here with `nproc`, or started by `torchrun`), each running
+the same steps, with a collective check after each step so that one rank's failure becomes
+an error on every rank instead of a hang:
+
+1. rank 0: `--overwrite` clears the output; a finished cache of the same configuration is
+   reported and left untouched.
+2. every rank: load the target (checks first: path, causal LM, layer ids), open its
+   `CacheWriter` (which refuses a cache started with another configuration or world size);
+   the ranks exchange what their complete shards already hold (resume).
+3. rank 0 writes CACHE/target/. Every rank reads all inputs and tokenizes every
+   world_size-th record (rejecting the bad ones it meets); the ranks exchange lengths, and
+   each computes the same token-balanced assignment and length-sorted batches (plan.py).
+4. every rank runs its batches: optional regeneration, the target forward, `writer.add`.
+   Batches whose records are all in complete shards are skipped; a partly done batch is
+   recomputed whole, so a resumed run writes exactly what an uninterrupted one would.
+5. rank 0 finalizes the cache (manifest.json last) and returns the summary.
+
+Control traffic goes through gloo even on GPUs: stage one exchanges only a few Python
+objects, and gloo keeps every collective off the devices that run the target.
+
+Regeneration (`regenerate=True`) replaces every assistant turn of a conversation by the
+target's own reply, turn by turn: turn i is generated from the conversation up to it with
+turns before i already regenerated (the user turns stay as they were). Replies stop at an
+end-of-sequence token or `max_new_tokens`; they are decoded without special tokens and put
+back into the conversation, which is then rendered and masked like any other. `text`
+records have no turns and are cached as they are. Rank balancing uses the original replies'
+lengths as the estimate of the regenerated ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from dflash.precompute.data import ChatEncoder, Encoded, RecordError, input_sha256, iter_records, normalize_record
+from dflash.precompute.plan import assign_ranks, plan_batches
+from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
+
+
+@dataclass(kw_only=True)
+class PrecomputeConfig:
+    """Everything `dflash-precompute` does, as one validated value."""
+
+    target: Path
+    """Hugging Face causal-LM directory."""
+    data: list[Path]
+    """Input files or `datasets` directories, read in this order."""
+    out: Path
+    """The cache directory to write."""
+    top_k: int = 32
+    """Next-token candidates cached per position."""
+    feature_layers: list[int] | None = None
+    """Decoder-layer ids to cache; None applies the DFlash rule with num_feature_layers."""
+    num_feature_layers: int = 5
+    """How many layers the DFlash rule picks when feature_layers is None."""
+    feature_codec: str = "bf16"
+    """Feature storage: "bf16" or "fp8"."""
+    topk_codec: str = "packed"
+    """Top-k storage: "packed" (about 1e-3 nat) or "raw" (lossless)."""
+    max_length: int = 3072
+    """Longer renderings are cut to this many tokens (and counted)."""
+    batch_tokens: int = 16384
+    """Padded tokens per forward batch (count x longest)."""
+    device: str = "auto"
+    """"auto", "cpu" or "cuda" (one GPU per process, by local rank)."""
+    dtype: str = "auto"
+    """"auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float16" or "float32"."""
+    limit: int | None = None
+    """Read at most this many records in total (all inputs together)."""
+    regenerate: bool = False
+    """Replace the assistant replies by the target's own."""
+    max_new_tokens: int = 512
+    """Longest regenerated reply, in tokens."""
+    temperature: float = 0.0
+    """Regeneration temperature: 0 is greedy, > 0 samples (seeded by seed)."""
+    seed: int = 0
+    """Seed of sampled regeneration."""
+    nproc: int = 1
+    """Local worker processes to spawn (one per GPU); 1 under torchrun."""
+    strict: bool = False
+    """Make the first rejected record an error."""
+    overwrite: bool = False
+    """Delete an existing cache at `out` first."""
+    trust_remote_code: bool = False
+    """Let transformers run the target repository's own code."""
+    shard_max_rows: int = 1024
+    """Sequences per shard."""
+    dist_timeout_s: float = 6 * 3600.0
+    """How long a rank waits for the others at a collective before it fails."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (stderr)."""
+
+    def __post_init__(self) -> None:
+        self.target, self.out = Path(self.target), Path(self.out)
+        self.data = [Path(p) for p in ([self.data] if isinstance(self.data, (str, Path)) else self.data)]
+        if not self.data:
+            raise ValueError("give at least one --data input")
+        checks = [
+            (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
+            (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
+            (self.feature_codec in ("bf16", "fp8"), f"--feature-codec must be bf16 or fp8, got {self.feature_codec!r}"),
+            (self.topk_codec in ("packed", "raw"), f"--topk-codec must be packed or raw, got {self.topk_codec!r}"),
+            (self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}"),
+            (self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}"),
+            (self.limit is None or self.limit >= 1, f"--limit must be >= 1, got {self.limit}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
+            (self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}"),
+            (self.shard_max_rows >= 1, f"shard_max_rows must be >= 1, got {self.shard_max_rows}"),
+            (self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.feature_layers is not None:
+            if not self.feature_layers or len(set(self.feature_layers)) != len(self.feature_layers):
+                raise ValueError(f"--feature-layers must list distinct layer ids, got {self.feature_layers}")
+
+
+@dataclass
+class PrecomputeSummary:
+    """What a run did (this run) and what the cache now holds (all runs)."""
+
+    cache_dir: str
+    num_sequences: int
+    """Sequences in the cache."""
+    num_tokens: int
+    """Tokens in the cache."""
+    num_loss_tokens: int
+    """Loss-masked tokens in the cache."""
+    rejected: dict[str, int]
+    """Rejected records in the cache, by reason."""
+    bytes_per_token: dict[str, float]
+    """Stored bytes per token by column, and "total" (whole shard files)."""
+    written_sequences: int = 0
+    """Sequences this run wrote."""
+    written_tokens: int = 0
+    """Tokens this run wrote."""
+    resumed_sequences: int = 0
+    """Records found already done (resume), rows and rejects."""
+    truncated: int = 0
+    """Sequences this run cut to max_length."""
+    regenerated_replies: int = 0
+    """Assistant replies this run regenerated."""
+    cut_replies: int = 0
+    """Regenerated replies that hit max_new_tokens (or max_length)."""
+    regenerated: bool = False
+    generation_temperature: float | None = None
+    max_length: int = 0
+    max_new_tokens: int = 0
+    wall_s: float = 0.0
+    """Wall time of this run, loading included."""
+    forward_s: float = 0.0
+    """Time in the target forward (capture and top-k included), rank 0."""
+    generate_s: float = 0.0
+    """Time in generation, rank 0."""
+    world_size: int = 1
+    already_complete: bool = False
+    """The cache was complete for this configuration; nothing was computed."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.written_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s}
+
+    def format(self) -> str:
+        """The human summary the CLI prints."""
+        rejected = sum(self.rejected.values())
+        reasons = sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = "; ".join(f"{n} {reason}" for reason, n in reasons[:5])
+        if len(reasons) > 5:
+            shown += f"; {sum(n for _, n in reasons[5:])} other"
+        columns = ", ".join(f"{k} {v:,.1f}" for k, v in self.bytes_per_token.items() if k != "total")
+        lines = [f"dflash-precompute: {self.cache_dir}" + (" (already complete)" if self.already_complete else "")]
+        lines.append(f"  sequences    {self.num_sequences:,} in the cache; {self.written_sequences:,} written "
+                     f"by this run, {self.resumed_sequences:,} records already done")
+        lines.append(f"  tokens       {self.num_tokens:,} ({self.num_loss_tokens:,} in the loss mask)")
+        lines.append(f"  rejected     {rejected:,}" + (f": {shown}" if rejected else ""))
+        lines.append(f"  truncated    {self.truncated:,} to --max-length {self.max_length} (this run)")
+        if self.regenerated:
+            lines.append(f"  regenerated  {self.regenerated_replies:,} replies at temperature "
+                         f"{self.generation_temperature:g}; {self.cut_replies:,} cut at "
+                         f"--max-new-tokens {self.max_new_tokens} (this run)")
+        lines.append(f"  bytes/token  {self.bytes_per_token.get('total', 0.0):,.1f} ({columns})")
+        lines.append(f"  time         {self.wall_s:,.1f} s on {self.world_size} rank(s); "
+                     f"{self.tokens_per_s:,.1f} tokens/s; rank 0: forward {self.forward_s:,.1f} s, "
+                     f"generation {self.generate_s:,.1f} s")
+        return "\n".join(lines)
+
+
+@dataclass
+class _RankStats:
+    written_sequences: int = 0
+    written_tokens: int = 0
+    resumed: int = 0
+    truncated: int = 0
+    regenerated_replies: int = 0
+    cut_replies: int = 0
+    forward_s: float = 0.0
+    generate_s: float = 0.0
+
+
+@dataclass
+class _Item:
+    """One record assigned to this rank."""
+
+    source: dict[str, Any]
+    conversation: list[dict[str, str]] | str
+    encoded: Encoded
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.source["file"], self.source["index"]
+
+    @property
+    def name(self) -> str:
+        return f"{self.source['file']} record {self.source['index']}"
+
+
+# ----------------------------------------------------------------------------- entry
+
+def run_precompute(config: PrecomputeConfig) -> PrecomputeSummary:
+    """Run stage one as `config` says; returns rank 0's summary.
+
+    Under torchrun (RANK/WORLD_SIZE set) this process is one rank and every rank returns
+    the summary. With `config.nproc > 1` it spawns that many local workers and waits.
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world > 1:
+        if config.nproc > 1:
+            raise ValueError("--nproc spawns local workers; under torchrun leave it at 1")
+        return _worker_main(config, rank=int(os.environ["RANK"]), world_size=env_world,
+                            local_rank=int(os.environ.get("LOCAL_RANK", "0")), init_method="env://")
+    if config.nproc == 1:
+        return _worker_main(config, rank=0, world_size=1, local_rank=0, init_method=None)
+    return _spawn(config)
+
+
+def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_spawned_worker, args=(config, f"tcp://127.0.0.1:{port}", results),
+                           nprocs=config.nproc, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as error:
+        # Every rank reports its ValueError before raising; the first report is the cause
+        # or names the rank that caused it.
+        while not results.empty():
+            kind, payload = results.get()
+            if kind == "error":
+                raise ValueError(payload) from None
+        raise RuntimeError(f"a precompute worker failed:\n{error}") from None
+    except mp.ProcessExitedException as error:
+        raise RuntimeError(f"a precompute worker died: {error}") from None
+    while True:
+        kind, payload = results.get()
+        if kind == "ok":
+            return PrecomputeSummary(**payload)
+
+
+def _spawned_worker(local_rank: int, config: PrecomputeConfig, init_method: str, results) -> None:
+    import torch
+
+    if config.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))  # share the cores
+    try:
+        summary = _worker_main(config, rank=local_rank, world_size=config.nproc,
+                               local_rank=local_rank, init_method=init_method)
+    except ValueError as error:
+        results.put(("error", str(error)))
+        raise
+    if local_rank == 0:
+        results.put(("ok", dataclasses.asdict(summary)))
+
+
+# ----------------------------------------------------------------------------- collectives
+
+class _Group:
+    """The ranks of this run; `step` runs a function on every rank and checks them all."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str | None, timeout_s: float):
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+
+    def step(self, what: str, fn: Callable[[], Any]) -> list[Any]:
+        """Run `fn` here, then gather every rank's result. If any rank raised, every rank
+        raises: the failing rank its own exception, the others a ValueError naming it."""
+        error: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+            error = e
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return [result]
+        import torch.distributed as dist
+
+        report = None if error is None else f"{type(error).__name__}: {error}"
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (report, None if error else result))
+        if error is not None:
+            raise error
+        for rank, (failure, _) in enumerate(gathered):
+            if failure is not None:
+                raise ValueError(f"rank {rank} failed while {what}: {failure}")
+        return [payload for _, payload in gathered]
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def _worker_main(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: int,
+                 init_method: str | None) -> PrecomputeSummary:
+    group = _Group(rank, world_size, init_method, config.dist_timeout_s)
+    try:
+        return _run_rank(config, group, local_rank)
+    finally:
+        group.close()
+
+
+def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> PrecomputeSummary:
+    from dflash.precompute.target import Target, resolve_device, resolve_dtype
+
+    start = time.perf_counter()
+    rank, world_size = group.rank, group.world_size
+    log = _logger(rank, config.progress)
+    # Big objects stay in this process; steps return only small, picklable results.
+    local: dict[str, Any] = {}
+
+    def setup() -> bool:
+        if rank == 0:
+            _check_out_dir(config)
+        device = resolve_device(config.device, local_rank)
+        dtype = resolve_dtype(config.dtype, device)
+        local["target"] = Target(config.target, layer_ids=config.feature_layers,
+                                 num_feature_layers=config.num_feature_layers, top_k=config.top_k,
+                                 device=device, dtype=dtype, trust_remote_code=config.trust_remote_code)
+        local["spec"] = _build_spec(config, local["target"], world_size)
+        return rank == 0 and _finished_cache(config, local["spec"])
+
+    if any(group.step("loading the target", setup)):
+        log(f"{config.out} is already complete for this configuration; nothing to do")
+        return _summary(config, open_cache(config.out), [_RankStats()], start, world_size,
+                        already_complete=True)
+    target, spec = local["target"], local["spec"]
+    log(f"target {config.target} on {target.device} ({target.dtype}), layers {target.layer_ids}, "
+        f"{world_size} rank(s)")
+
+    def open_writer() -> dict[str, np.ndarray]:
+        try:
+            # On a GPU, encoding and disk writes overlap the next batch's forward; on CPU a
+            # writer thread would only compete with the forward for the same cores.
+            local["writer"] = CacheWriter(config.out, spec, rank=rank, world_size=world_size,
+                                          background=target.device.type == "cuda")
+        except ValueError as error:
+            raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
+        return _compact(local["writer"].done_sources)
+
+    done = _expand(group.step("opening the cache", open_writer))
+    writer: CacheWriter = local["writer"]
+    stats = _RankStats()
+    try:
+        if done:
+            log(f"resuming: {len(done):,} records already in complete shards")
+        encoder = ChatEncoder(target.tokenizer, config.max_length)
+
+        def scan() -> list[tuple[int, int]]:
+            if rank == 0:
+                target.write_target_dir(config.out / "target")
+            return _prepare_stride(config, encoder, writer, done, stats, rank, world_size)
+
+        lengths = _merge_lengths(group.step("reading the inputs", scan))
+        mine = {lengths[j][0] for j in assign_ranks([n for _, n in lengths], world_size)[rank]}
+        group.step("computing", lambda: _compute(config, target, encoder, writer, done, mine, stats))
+        gathered = group.step("closing the shards", lambda: (writer.close(), stats)[1])
+    except BaseException:
+        writer.abort()
+        raise
+
+    def finalize() -> None:
+        if rank == 0:
+            finalize_cache(config.out, spec, world_size)
+
+    group.step("writing the manifest", finalize)
+    return _summary(config, open_cache(config.out), gathered, start, world_size)
+
+
+def _check_out_dir(config: PrecomputeConfig) -> None:
+    """Refuse to write into (or, with --overwrite, delete) a directory that is not a cache."""
+    out = config.out
+    if out.exists() and any(out.iterdir()) and not (
+            (out / "manifest.json").exists() or (out / "shards").is_dir()):
+        raise ValueError(f"--out {out} exists and is not a dflash cache; choose another directory")
+    if config.overwrite and out.exists():
+        shutil.rmtree(out)
+
+
+def _logger(rank: int, enabled: bool) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        if rank == 0 and enabled:
+            from tqdm import tqdm
+
+            tqdm.write(f"[dflash-precompute] {message}", file=sys.stderr)
+    return log
+
+
+def _build_spec(config: PrecomputeConfig, target: Any, world_size: int) -> CacheSpec:
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()}
+    options["data"] = [str(p) for p in config.data]
+    options["world_size"] = world_size
+    for key in ("progress", "overwrite", "nproc", "dist_timeout_s"):
+        options.pop(key)
+    return CacheSpec(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, layer_ids=target.layer_ids,
+        top_k=config.top_k, feature_codec=config.feature_codec, topk_codec=config.topk_codec,
+        max_length=config.max_length, logit_temperature=1.0, regenerated=config.regenerate,
+        generation_temperature=config.temperature if config.regenerate else None,
+        target=target.identity(), tokenizer_sha256=target.tokenizer_sha256(),
+        inputs=[{"path": str(p), "sha256": input_sha256(p)} for p in config.data],
+        shard_max_rows=config.shard_max_rows, options=options)
+
+
+def _finished_cache(config: PrecomputeConfig, spec: CacheSpec) -> bool:
+    """True when `out` holds a finalized cache made by this same command; ValueError when
+    it holds one of another configuration. A finalized cache of this configuration made
+    with other options (e.g. a larger --limit) is extended: the run continues it."""
+    if not (config.out / "manifest.json").exists():
+        return False
+    cache = open_cache(config.out)
+    differ = cache.spec.identity_diff(spec)
+    if differ:
+        raise ValueError(
+            f"{config.out} holds a cache built with a different configuration (fields {differ} "
+            "differ): pass --overwrite to replace it, or choose another --out"
+        )
+    return cache.spec.options == spec.options
+
+
+def _compact(done: set[tuple[str, int]]) -> dict[str, np.ndarray]:
+    """{file: sorted indices} (small to gather) from a set of (file, index)."""
+    by_file: dict[str, list[int]] = {}
+    for file, index in done:
+        by_file.setdefault(file, []).append(index)
+    return {file: np.asarray(sorted(ix), dtype=np.int64) for file, ix in by_file.items()}
+
+
+def _expand(gathered: list[dict[str, np.ndarray]]) -> set[tuple[str, int]]:
+    """Every rank's done records, as one set: a record done anywhere is never redone."""
+    return {(file, int(i)) for part in gathered for file, ix in part.items() for i in ix}
+
+
+def _reject(config: PrecomputeConfig, writer: CacheWriter, source: dict[str, Any], reason: str) -> None:
+    if config.strict:
+        raise ValueError(f"{source['file']} record {source['index']}: {reason} (--strict)")
+    writer.reject(source=source, reason=reason)
+
+
+def _prepare(encoder: ChatEncoder, data: Any) -> tuple[list[dict[str, str]] | str, Encoded]:
+    conversation = normalize_record(data)
+    return conversation, encoder.encode(conversation)
+
+
+def _prepare_stride(config, encoder, writer, done, stats, rank, world_size) -> list[tuple[int, int]]:
+    """Tokenize every world_size-th record (this rank's share of the length scan) and
+    reject the bad ones; returns [(position, tokens)] of the good ones."""
+    lengths = []
+    for position, record in enumerate(iter_records(config.data, config.limit)):
+        if position % world_size != rank:
+            continue
+        try:
+            if record.error is not None:
+                raise RecordError(record.error)
+            _, encoded = _prepare(encoder, record.data)
+            lengths.append((position, len(encoded.input_ids)))
+        except RecordError as error:
+            key = (record.file, record.index)
+            if key in done:
+                stats.resumed += 1
+            else:
+                _reject(config, writer, record.source, str(error))
+    return lengths
+
+
+def _merge_lengths(gathered: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    return sorted(item for part in gathered for item in part)
+
+
+def _compute(config, target, encoder, writer, done, mine, stats) -> None:
+    """Run this rank's batches and write their rows."""
+    from tqdm import tqdm
+
+    items = []
+    for position, record in enumerate(iter_records(config.data, config.limit)):
+        if position in mine:
+            conversation, encoded = _prepare(encoder, record.data)
+            items.append(_Item(source=record.source, conversation=conversation, encoded=encoded))
+    lengths = [len(item.encoded.input_ids) for item in items]
+    total_tokens = sum(lengths)
+    done_tokens = sum(n for item, n in zip(items, lengths) if item.key in done)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
+               desc="precompute", file=sys.stderr, disable=not (config.progress and writer.rank == 0),
+               dynamic_ncols=True, smoothing=0.05)
+    num_done = sum(item.key in done for item in items)
+    stats.resumed += num_done
+    written = 0
+    with bar:
+        for batch in plan_batches(lengths, config.batch_tokens):
+            members = [items[i] for i in batch]
+            if all(item.key in done for item in members):
+                continue
+            if config.regenerate:
+                members = _regenerate(config, target, encoder, writer, done, members, stats)
+                forward_batches = [[members[i] for i in b] for b in
+                                   plan_batches([len(m.encoded.input_ids) for m in members], config.batch_tokens)]
+            else:
+                forward_batches = [members]
+            for part in forward_batches:
+                if not part:
+                    continue
+                began = time.perf_counter()
+                outputs = target.forward([m.encoded.input_ids for m in part], [m.name for m in part])
+                stats.forward_s += time.perf_counter() - began
+                for item, output in zip(part, outputs):
+                    if item.key in done:
+                        continue
+                    writer.add(source=item.source, input_ids=item.encoded.input_ids,
+                               loss_mask=item.encoded.loss_mask, features=output.features,
+                               topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs)
+                    stats.written_sequences += 1
+                    stats.written_tokens += len(item.encoded.input_ids)
+                    stats.truncated += item.encoded.truncated
+                    written += 1
+            bar.update(sum(len(items[i].encoded.input_ids) for i in batch if items[i].key not in done))
+            bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq", refresh=False)
+
+
+def _regenerate(config, target, encoder, writer, done, members: list[_Item], stats) -> list[_Item]:
+    """Replace every assistant turn of `members` by the target's reply (turn by turn,
+    batched); returns the re-encoded items, rejecting those that no longer fit."""
+    conversations = [
+        [dict(m) for m in item.conversation] if isinstance(item.conversation, list) else item.conversation
+        for item in members
+    ]
+    turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if isinstance(c, list) else []
+             for c in conversations]
+    alive = [True] * len(members)
+
+    def drop(j: int, reason: str) -> None:
+        alive[j] = False
+        if members[j].key not in done:
+            _reject(config, writer, members[j].source, reason)
+
+    for round_ in range(max((len(t) for t in turns), default=0)):
+        prompts: dict[int, list[int]] = {}
+        for j, conversation in enumerate(conversations):
+            if not alive[j] or round_ >= len(turns[j]):
+                continue
+            try:
+                prompt = encoder.prompt_ids(conversation[: turns[j][round_]])
+            except RecordError as error:
+                drop(j, str(error))
+                continue
+            if len(prompt) >= config.max_length:
+                drop(j, f"prompt of assistant turn {round_} has {len(prompt)} tokens, no room "
+                        f"below --max-length {config.max_length}")
+                continue
+            prompts[j] = prompt
+        order = list(prompts)
+        budgets = {j: min(config.max_new_tokens, config.max_length - len(prompts[j])) for j in order}
+        for batch in plan_batches([len(prompts[j]) + budgets[j] for j in order], config.batch_tokens):
+            js = [order[b] for b in batch]
+            seed = _generation_seed(config.seed, round_, members[js[0]].source)
+            began = time.perf_counter()
+            replies = target.generate([prompts[j] for j in js], [budgets[j] for j in js],
+                                      config.temperature, seed)
+            stats.generate_s += time.perf_counter() - began
+            for j, reply in zip(js, replies):
+                conversations[j][turns[j][round_]]["content"] = target.tokenizer.decode(
+                    reply.token_ids, skip_special_tokens=True)
+                if members[j].key not in done:
+                    stats.regenerated_replies += 1
+                    stats.cut_replies += not reply.finished
+    regenerated = []
+    for j, item in enumerate(members):
+        if not alive[j]:
+            continue
+        try:
+            encoded = encoder.encode(conversations[j])
+        except RecordError as error:
+            drop(j, str(error))
+            continue
+        regenerated.append(_Item(source=item.source, conversation=conversations[j], encoded=encoded))
+    return regenerated
+
+
+def _generation_seed(seed: int, round_: int, source: dict[str, Any]) -> int:
+    """A sampling seed that depends only on the run seed, the turn and the batch's first record."""
+    text = json.dumps([seed, round_, source["file"], source["index"]])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _summary(config: PrecomputeConfig, cache: Any, gathered: list[_RankStats], start: float,
+             world_size: int, already_complete: bool = False) -> PrecomputeSummary:
+    manifest = cache.manifest
+    num_tokens = max(1, manifest["num_tokens"])
+    bytes_per_token = {name: size / num_tokens for name, size in sorted(manifest["column_bytes"].items())}
+    bytes_per_token["total"] = sum(s["num_bytes"] for s in manifest["shards"]) / num_tokens
+    rejected: Counter[str] = Counter()
+    with open(cache.rejected_path, encoding="utf-8") as f:
+        for line in f:
+            rejected[json.loads(line)["reason"]] += 1
+    total = _RankStats(**{f.name: sum(getattr(s, f.name) for s in gathered)
+                          for f in dataclasses.fields(_RankStats)})
+    return PrecomputeSummary(
+        cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
+        num_loss_tokens=manifest["num_loss_tokens"], rejected=dict(rejected),
+        bytes_per_token=bytes_per_token, written_sequences=total.written_sequences,
+        written_tokens=total.written_tokens, resumed_sequences=total.resumed,
+        truncated=total.truncated, regenerated_replies=total.regenerated_replies,
+        cut_replies=total.cut_replies, regenerated=cache.spec.regenerated,
+        generation_temperature=cache.spec.generation_temperature, max_length=config.max_length,
+        max_new_tokens=config.max_new_tokens, wall_s=time.perf_counter() - start,
+        forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s,
+        world_size=world_size, already_complete=already_complete)
