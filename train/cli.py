@@ -64,3 +64,11 @@ def fit(config_file, decay_gamma, **options) -> None:
     except SpikeStop as error:
         raise click.ClickException(str(error)) from None
     click.echo(f"done: {result.step}/{result.total_steps} steps; checkpoint {result.checkpoint}")
+
+
+# eval and export live with their code (train/evaluate.py, train/export.py).
+from dflash.train.evaluate import eval_command  # noqa: E402
+from dflash.train.export import export_command  # noqa: E402
+
+main.add_command(eval_command)
+main.add_command(export_command)

@@ -49,12 +49,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 import torch
 
 from dflash.train.data import eligible_anchors
+from dflash.train.export import eval_results_path, load_drafter
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
-from dflash.train.speculative import DecodeResult, Proposer, greedy_generate, speculative_generate
+from dflash.train.speculative import (
+    DecodeResult,
+    DrafterProposer,
+    Proposer,
+    greedy_generate,
+    speculative_generate,
+)
 
 # ---------------------------------------------------------------------------------------
 # Offline
@@ -440,3 +448,308 @@ def evaluate_online(
         "block_size": block_size,
         "per_prompt": per_prompt,
     }
+
+
+# ---------------------------------------------------------------------------------------
+# Runs and the command
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """`dflash-train eval`: what to evaluate, on what."""
+
+    run: str | None = None
+    """Run folder written by `dflash-train fit` (its drafter config, caches and held-out set)."""
+    checkpoint: str | None = None
+    """A RUN/checkpoints/step-N folder or an exported drafter folder; None: RUN's newest."""
+    cache: str | None = None
+    """Cache for the offline figures: one of the run's caches (its held-out sequences are used)
+    or another cache (all its sequences). None: the held-out sequences of all the run's caches
+    (offline mode), or no offline figures (online mode)."""
+    online: bool = False
+    """Run real speculative decoding against the target."""
+    target: str | None = None
+    """Online: the target's Hugging Face folder."""
+    prompts: str | None = None
+    """Online: JSONL records; each one's conversation up to its last user turn is a prompt.
+    With `cache`, only the records behind that cache's evaluated sequences are used, and the
+    offline figures are computed on exactly those sequences (side by side)."""
+    max_new_tokens: int = 256
+    """Online: tokens generated per prompt at most."""
+    block_size: int | None = None
+    """Block size to draft with; None: the drafter's training block size."""
+    limit: int | None = None
+    """Evaluate at most this many sequences / prompts (the first ones, in order)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    dtype: str = "auto"
+    """Online target (and drafter) dtype: auto (float32 on cpu, bfloat16 on cuda), float32 or
+    bfloat16. float32 makes the lossless check meaningful to the last bit; see speculative.py."""
+    save: bool = True
+    """Write the figures to RUN/eval/<checkpoint>.json (read by `dflash-train export`)."""
+
+    def __post_init__(self) -> None:
+        if self.online and (self.target is None or self.prompts is None):
+            raise ValueError("eval --online needs --target (the target's folder) and --prompts (a JSONL file)")
+        if not self.online and self.cache is None and self.run is None:
+            raise ValueError("eval needs --cache or --run (whose held-out sequences are evaluated)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.block_size is not None and self.block_size < (1 if self.online and self.cache is None else 2):
+            raise ValueError(f"--block-size must be >= 2 (1 online: plain decoding), got {self.block_size}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+
+def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None) -> list[tuple[Any, list[int]]]:
+    """[(open cache, sequence indices)] to evaluate.
+
+    The held-out set is the run's (`held_out_mask` over the concatenation of its caches, with
+    its seed and eval_fraction). `cache_path` that is one of the run's caches gives its share
+    of the held-out set; another cache gives all its sequences; None gives every run cache's
+    share.
+    """
+    from dflash.shards import open_cache
+    from dflash.train.data import held_out_mask
+
+    run_caches = [str(Path(p).resolve()) for p in fit_config.get("cache", [])]
+    if cache_path is not None and str(Path(cache_path).resolve()) not in run_caches:
+        cache = open_cache(cache_path)
+        return [(cache, list(range(len(cache))))]
+    opened = []
+    for path in fit_config.get("cache", []):
+        if not Path(path).is_dir():
+            raise ValueError(f"the run's cache {path} (RUN/config.json) does not exist here: pass --cache "
+                             "with its current location to evaluate all of its sequences")
+        opened.append(open_cache(path))
+    held = held_out_mask(sum(len(c) for c in opened), float(fit_config["eval_fraction"]), int(fit_config["seed"]))
+    selection, offset = [], 0
+    for path, cache in zip(run_caches, opened):
+        indices = np.flatnonzero(held[offset:offset + len(cache)]).tolist()
+        offset += len(cache)
+        if cache_path is None or path == str(Path(cache_path).resolve()):
+            selection.append((cache, indices))
+    if not any(indices for _, indices in selection):
+        raise ValueError("the run holds out no sequence (eval_fraction 0?): pass --cache with a separate cache")
+    return selection
+
+
+def sources_in_file(cache: Any, indices: list[int], prompts: str | Path) -> dict[int, int]:
+    """{record index in `prompts`: sequence index} for the sequences that came from that file.
+
+    A cache names its input files as stage one was given them; they match `prompts` by
+    resolved path, or else by file name (the cache may have been built elsewhere).
+    """
+    wanted = Path(prompts).resolve()
+    by_path, by_name = {}, {}
+    for i in indices:
+        source = cache.source(i)
+        if Path(source["file"]).resolve() == wanted:
+            by_path[int(source["index"])] = i
+        elif Path(source["file"]).name == wanted.name:
+            by_name[int(source["index"])] = i
+    return by_path or by_name
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
+    spec, c = cache.spec, drafter.config
+    if spec.layer_ids != c.target_layer_ids or spec.hidden_size != c.hidden_size or spec.vocab_size != c.vocab_size:
+        raise ValueError(
+            f"{cache.path}: cache has layers {spec.layer_ids}, hidden {spec.hidden_size}, vocabulary "
+            f"{spec.vocab_size}; the drafter expects layers {c.target_layer_ids}, hidden {c.hidden_size}, "
+            f"vocabulary {c.vocab_size}: evaluate on a cache of the drafter's target")
+
+
+def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer, stop token ids) of the target; ValueError if it does not fit the drafter."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--target {path}: no config.json; give a Hugging Face model folder")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text_config = model.config.get_text_config()
+    c = drafter.config
+    found = (text_config.num_hidden_layers, text_config.hidden_size, model.get_input_embeddings().weight.shape[0])
+    if found != (c.num_target_layers, c.hidden_size, c.vocab_size):
+        raise ValueError(
+            f"--target {path} has {found[0]} layers, hidden {found[1]}, {found[2]} embedding rows; the "
+            f"drafter was trained for {c.num_target_layers}, {c.hidden_size}, {c.vocab_size}")
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = text_config.eos_token_id
+    stop = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return model, tokenizer, stop
+
+
+def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Evaluate as `config` says; returns the figures (offline keys at top level, online ones
+    under "online") and saves them to RUN/eval/<checkpoint>.json when asked."""
+    from tqdm import tqdm
+
+    device = _device(config.device)
+    loaded = load_drafter(config.run, config.checkpoint, device=device)
+    drafter = loaded.drafter.eval()
+    block_size = config.block_size or drafter.config.block_size
+    result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
+
+    # Which sequences (offline) and which prompt records (online).
+    selection: list[tuple[Any, list[int]]] = []
+    if config.cache is not None or not config.online:
+        if loaded.fit_config is not None:
+            selection = held_out_selection(loaded.fit_config, config.cache)
+        else:
+            from dflash.shards import open_cache
+
+            cache = open_cache(config.cache)
+            selection = [(cache, list(range(len(cache))))]
+    keep = None
+    if config.online and selection:
+        cache, indices = selection[0]
+        if len(selection) > 1:
+            raise ValueError("eval --online with a run of several caches: pass --cache with the one the "
+                             "prompts file went into")
+        matched = sources_in_file(cache, indices, config.prompts)
+        if not matched:
+            raise ValueError(f"none of the {len(indices)} evaluated sequences of {cache.path} came from "
+                             f"{config.prompts}; pass the prompts file the cache was built from, or drop --cache")
+        keep = set(sorted(matched)[: config.limit] if config.limit else matched)
+        selection = [(cache, sorted(matched[r] for r in keep))]
+    elif config.limit is not None:
+        remaining, limited = config.limit, []
+        for cache, indices in selection:
+            limited.append((cache, indices[:remaining]))
+            remaining -= len(limited[-1][1])
+        selection = limited
+
+    if selection:
+        for cache, _ in selection:
+            _check_cache(cache, drafter)
+        head = TargetHead.load(selection[0][0].target_dir, device=device, dtype=torch.float32)
+        total = sum(len(indices) for _, indices in selection)
+        bar = tqdm(total=total, desc="offline", unit="seq", disable=not show_progress)
+
+        def progress(totals: OfflineTotals) -> None:
+            bar.update(1)
+            bar.set_postfix(tau=f"{1 + totals.accepted_sum / max(totals.num_anchors, 1):.3f}")
+
+        sequences = (cache[i] for cache, indices in selection for i in indices)
+        result.update(evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress))
+        bar.close()
+        result["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
+        result["regenerated"] = all(cache.spec.regenerated for cache, _ in selection)
+        result["generation_temperature"] = selection[0][0].spec.generation_temperature
+
+    if config.online:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
+        prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
+                                         limit=None if keep is not None else config.limit)
+        head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
+                          lm_head=target.get_output_embeddings().weight.detach())
+        proposer = DrafterProposer(drafter.to(dtype), head)
+        bar = tqdm(total=len(prompts), desc="online", unit="prompt", disable=not show_progress)
+
+        def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:
+            bar.update(1)
+            bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
+
+        online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
+                                 block_size=block_size, layer_ids=drafter.config.target_layer_ids,
+                                 stop_token_ids=stop, progress=online_progress)
+        bar.close()
+        online.update(rejected=rejected, stop_token_ids=sorted(stop), device=str(device),
+                      dtype=str(dtype).removeprefix("torch."), target=str(config.target),
+                      prompts=str(config.prompts))
+        result["online"] = online
+
+    if config.save and config.run is not None:
+        path = eval_results_path(Path(config.run), loaded.checkpoint)
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        saved.update(result)  # an offline-only call keeps the checkpoint's earlier online figures
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(saved, indent=1) + "\n")
+        tmp.replace(path)
+        result["saved_to"] = str(path)
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The human table printed by `dflash-train eval`."""
+    lines = [f"checkpoint {result['checkpoint']}" + (f" (step {result['step']})" if result.get("step") is not None else "")]
+    if result.get("acceptance_length") is not None:
+        lines.append(
+            f"offline  tau {result['acceptance_length']:.3f} over {result['num_anchors']} anchors of "
+            f"{result['num_sequences']} sequences (block {result['block_size']})")
+        if result.get("replay_acceptance_length") is not None:
+            kind = ("= online greedy tau (replies regenerated greedily)"
+                    if result.get("regenerated") and result.get("generation_temperature") == 0
+                    else "proxy: replies not the target's greedy output")
+            lines.append(f"         replayed decoding tau {result['replay_acceptance_length']:.3f} over "
+                         f"{result['num_replay_verifications']} verifications ({kind})")
+        width = len(result["per_position_acceptance"])
+        lines.append("position " + " ".join(f"{k:>5d}" for k in range(1, width + 1)))
+        for name in ("acceptance", "match"):
+            values = result[f"per_position_{name}"]
+            lines.append(f"{name:<8} " + " ".join("    -" if v is None else f"{v:5.3f}" for v in values))
+    online = result.get("online")
+    if online:
+        status = "yes" if online["lossless"] else f"NO ({len(online['mismatches'])} prompts differ)"
+        lines.append(
+            f"online   tau {online['acceptance_length'] or 0:.3f} over {online['num_verifications']} verifications, "
+            f"{online['num_prompts']} prompts, lossless {status}")
+        lines.append(
+            f"         {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "
+            f"tok/s greedy ({online['speedup']:.2f}x, {online['device']} {online['dtype']})")
+        for mismatch in online["mismatches"]:
+            lines.append(f"         mismatch {mismatch['file']}:{mismatch['index']} at token {mismatch['position']}: "
+                         f"target {mismatch['reference_token']} (margin {mismatch['reference_margin']}), "
+                         f"speculative {mismatch['speculative_token']}")
+        if online["rejected"]:
+            lines.append(f"         {len(online['rejected'])} prompt records skipped "
+                         f"(first: line {online['rejected'][0]['index'] + 1}: {online['rejected'][0]['reason']})")
+    return "\n".join(lines)
+
+
+@click.command("eval")
+@click.option("--run", type=click.Path(file_okay=False), help="Run folder written by dflash-train fit.")
+@click.option("--checkpoint", type=click.Path(), help="RUN/checkpoints/step-N or an exported folder [newest].")
+@click.option("--cache", type=click.Path(file_okay=False),
+              help="Cache to score offline (a run cache: its held-out sequences; another: all).")
+@click.option("--online", is_flag=True, help="Real speculative decoding against --target.")
+@click.option("--target", type=click.Path(file_okay=False), help="The target's Hugging Face folder (online).")
+@click.option("--prompts", type=click.Path(dir_okay=False, exists=True), help="JSONL records (online).")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Online: tokens per prompt.")
+@click.option("--block-size", type=int, help="Draft block size [the drafter's].")
+@click.option("--limit", type=int, help="At most this many sequences / prompts.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Online target dtype (auto: float32 on cpu, bfloat16 on cuda).")
+@click.option("--save/--no-save", default=True, show_default=True, help="Write RUN/eval/<checkpoint>.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
+def eval_command(as_json: bool, **options: Any) -> None:
+    """Acceptance length of a drafter: offline from a cache, and with --online against the target."""
+    try:
+        config = EvalConfig(**options)
+        result = run_eval(config)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    click.echo(format_report(result))
+    if as_json:
+        click.echo(json.dumps(result))

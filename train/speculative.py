@@ -42,10 +42,9 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache, GenerationConfig
 
 from dflash.shards import hidden_state_index
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
@@ -132,7 +131,7 @@ def _cache_kwarg(target: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def _crop(cache: DynamicCache, length: int) -> None:
+def _crop(cache: Any, length: int) -> None:
     """Cut a Hugging Face KV cache back to its first `length` positions."""
     remove = cache.get_seq_length() - length
     if remove:
@@ -155,6 +154,8 @@ def speculative_generate(
     The last verification is shortened so that no more than `max_new_tokens` tokens are
     produced; a stop token ends the output (and is part of it), as in `generate`.
     """
+    from transformers import DynamicCache  # here, so that `dflash-train --help` stays fast
+
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     device = target.device
@@ -212,6 +213,8 @@ def greedy_generate(
     merges a model's saved defaults (repetition penalty, forced tokens, ...) into any config
     it is given, and speculative decoding reproduces plain argmax decoding only.
     """
+    from transformers import GenerationConfig
+
     device = target.device
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
     stops = sorted(stop_token_ids)

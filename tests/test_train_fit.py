@@ -1,0 +1,300 @@
+"""`fit` end to end on a tiny synthetic cache: logs, exact resume after SIGKILL, spike gating,
+2-rank gloo == 1 rank, the CLI.
+
+Runs whose numbers are compared bit for bit all run in subprocesses with one intra-op
+thread, so they share one summation order (and a SIGKILLed one cannot take pytest with it).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from dflash.train import fit as fit_module
+from dflash.train.checkpoint import latest_checkpoint, list_checkpoints
+from dflash.train.cli import main
+from dflash.train.config import FitConfig
+from dflash.train.fit import SpikeStop, fit
+from dflash.train.logging import STEP_KEYS
+from dflash.train.synthetic import write_synthetic_training_cache
+
+LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache") / "cache"
+    write_synthetic_training_cache(path, lengths=LENGTHS, seed=1)
+    return path
+
+
+def tiny_config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
+    fields = dict(cache=[str(cache_dir)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=6,
+                  epochs=2, tokens_per_step=96, checkpoint_every=3, keep_checkpoints=10, eval_every=0,
+                  eval_fraction=0.1, wandb=False, spike_warmup_steps=2, log_every=1)
+    fields.update(overrides)
+    return FitConfig(**fields)
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------
+# Subprocess runs
+# ---------------------------------------------------------------------------------------
+
+DRIVER = r"""
+import json, os, signal, sys
+import torch
+from dflash.train import checkpoint, fit as fit_module
+from dflash.train.config import FitConfig
+
+config = FitConfig(**json.loads(sys.argv[1]))
+kill_at, mode = int(sys.argv[2]), sys.argv[3]
+if mode == "between-checkpoints":
+    log_step = fit_module.RunLogger.step
+    def step(self, record):
+        log_step(self, record)
+        if record["step"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    fit_module.RunLogger.step = step
+elif mode == "during-checkpoint":
+    torch_save = torch.save
+    def save(obj, path, *args, **kwargs):
+        if f"step-{kill_at:08d}" in str(path):  # model.safetensors is written, optimizer.pt half
+            with open(path, "wb") as f:
+                f.write(b"half a file")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch_save(obj, path, *args, **kwargs)
+    checkpoint.torch.save = save
+fit_module.fit(config)
+"""
+
+
+def run_subprocess(config: FitConfig, kill_at: int = 0, mode: str = "none") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-c", DRIVER, json.dumps(config.to_dict()), str(kill_at), mode],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    weights_a, weights_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name
+    optim_a = torch.load(a / "optimizer.pt", weights_only=True)
+    optim_b = torch.load(b / "optimizer.pt", weights_only=True)
+    assert optim_a["param_groups"] == optim_b["param_groups"]
+    for index, state in optim_a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, optim_b["state"][index][key]), (index, key)
+    state_a, state_b = (json.loads((p / "state.json").read_text()) for p in (a, b))
+    assert state_a["gate"] == state_b["gate"] and state_a["step"] == state_b["step"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(cache_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight") / "run"
+    result = run_subprocess(tiny_config(cache_dir, out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.mark.parametrize("mode,kill_at,resumes_from", [
+    ("between-checkpoints", 5, "step-00000003"),
+    ("during-checkpoint", 6, "step-00000003"),
+])
+def test_resume_after_sigkill_is_exact(cache_dir, straight_run, tmp_path, mode, kill_at, resumes_from):
+    out = tmp_path / "run"
+    config = tiny_config(cache_dir, out)
+    killed = run_subprocess(config, kill_at, mode)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert latest_checkpoint(out).name == resumes_from
+    resumed = run_subprocess(config)
+    assert resumed.returncode == 0, resumed.stderr
+    final = latest_checkpoint(straight_run)
+    assert final.name == latest_checkpoint(out).name
+    assert_same_checkpoint(latest_checkpoint(out), final)
+    # The redone steps replace the lines the killed run logged after its checkpoint.
+    steps = [line["step"] for line in read_lines(out / "metrics.jsonl")]
+    assert steps == list(range(1, int(final.name[5:]) + 1))
+    losses = [line["loss"] for line in read_lines(out / "metrics.jsonl")]
+    assert losses == [line["loss"] for line in read_lines(straight_run / "metrics.jsonl")]
+
+
+# ---------------------------------------------------------------------------------------
+# In-process runs
+# ---------------------------------------------------------------------------------------
+
+
+def test_metrics_and_events(cache_dir, tmp_path, capsys):
+    config = tiny_config(cache_dir, tmp_path / "run", eval_every=4)
+    result = fit(config)
+    lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+    assert result.step == result.total_steps == len(lines)
+    steps_per_epoch = result.total_steps // config.epochs
+    for line in lines:
+        assert tuple(line) == STEP_KEYS
+        assert len(line["accuracy"]) == config.block_size - 1
+        assert line["tokens"] <= config.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
+        assert line["epoch"] == pytest.approx(line["step"] / steps_per_epoch)
+        assert line["epoch_index"] == (line["step"] - 1) // steps_per_epoch + 1
+    events = read_lines(tmp_path / "run" / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "done"
+    assert "eval" in kinds and all(e["duration_s"] >= 0 for e in events if e["event"] == "eval")
+    assert all(e["write_s"] > 0 for e in events if e["event"] == "checkpoint")
+    out = capsys.readouterr().out
+    assert f"epoch 2/2 (100.0%) step {result.total_steps}/{result.total_steps} loss" in out
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["mask_token_id"] == 63  # the synthetic target's eos: no mask or pad token
+
+
+def test_held_out_sequences_are_never_trained_on(cache_dir, tmp_path, monkeypatch):
+    seen = []
+    real = fit_module.read_batch
+
+    def spy(corpus, segments, **kwargs):
+        if kwargs["stream"] != fit_module.EVAL_STREAM:
+            seen.extend(s.sequence for s in segments)
+        return real(corpus, segments, **kwargs)
+
+    monkeypatch.setattr(fit_module, "read_batch", spy)
+    config = tiny_config(cache_dir, tmp_path / "run", eval_fraction=0.25, eval_every=2)
+    fit(config)
+    held_out = set(np.flatnonzero(fit_module.held_out_mask(len(LENGTHS), 0.25, config.seed)).tolist())
+    assert len(held_out) == 4 and seen and not held_out & set(seen)
+
+
+def poison_steps(monkeypatch, steps: set[int], how: str) -> None:
+    """Corrupt the targets of the batches read at the given (1-based) training steps."""
+    real = fit_module.read_batch
+    calls = {"n": 0}
+
+    def poisoned(corpus, segments, **kwargs):
+        batch = real(corpus, segments, **kwargs)
+        calls["n"] += 1
+        if calls["n"] in steps:
+            if how == "nan":
+                batch.topk_logprobs[0, 0] = float("nan")
+            else:  # log-probs in the wrong units: q is no longer a distribution, KL explodes
+                batch.topk_logprobs *= 0.01
+        return batch
+
+    monkeypatch.setattr(fit_module, "read_batch", poisoned)
+
+
+@pytest.mark.parametrize("how,reason", [("nan", "loss is not finite"), ("scaled", "loss ")])
+def test_spiking_batch_is_skipped_logged_and_leaves_weights_unchanged(cache_dir, tmp_path, monkeypatch,
+                                                                      how, reason):
+    poison_steps(monkeypatch, {4}, how)
+    config = tiny_config(cache_dir, tmp_path / "run", checkpoint_every=1, max_steps=6)
+    fit(config)
+    lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+    assert [line["skipped"] for line in lines] == [False, False, False, True, False, False]
+    spikes = read_lines(tmp_path / "run" / "spikes.jsonl")
+    assert len(spikes) == 1 and spikes[0]["step"] == 4 and spikes[0]["reason"].startswith(reason)
+    # The sources are the whole global batch of step 4 (epoch 1, step 4 of the plan).
+    plan_sequences = [s.sequence for s in _plan(config).step_segments(0, 3)]
+    assert [s["sequence"] for s in spikes[0]["sources"]] == plan_sequences
+    assert all(s["file"] == "synthetic.jsonl" and "index" in s for s in spikes[0]["sources"])
+    # The skipped step changed nothing: weights and optimizer state after step 4 == after 3.
+    checkpoints = {p.name: p for p in list_checkpoints(tmp_path / "run")}
+    before, after = checkpoints["step-00000003"], checkpoints["step-00000004"]
+    a, b = load_file(str(before / "model.safetensors")), load_file(str(after / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = (torch.load(p / "optimizer.pt", weights_only=True) for p in (before, after))
+    assert all(torch.equal(oa["state"][i]["exp_avg"], ob["state"][i]["exp_avg"]) for i in oa["state"])
+    final = load_file(str(latest_checkpoint(tmp_path / "run") / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def _plan(config: FitConfig):
+    from dflash.shards import open_cache
+    from dflash.train.data import Corpus, DataPlan, held_out_mask
+
+    corpus = Corpus([open_cache(config.cache[0])])
+    return DataPlan(num_eligible=corpus.num_eligible, held_out=held_out_mask(len(corpus), config.eval_fraction,
+                                                                             config.seed),
+                    block_size=config.block_size, anchors_per_seq=config.anchors_per_seq,
+                    tokens_per_step=config.tokens_per_step, seed=config.seed, world_size=1)
+
+
+def test_persistent_spikes_stop_the_run(cache_dir, tmp_path, monkeypatch):
+    poison_steps(monkeypatch, set(range(5, 100)), "nan")
+    config = tiny_config(cache_dir, tmp_path / "run", max_consecutive_skips=3, epochs=4)
+    with pytest.raises(SpikeStop) as stop:
+        fit(config)
+    message = str(stop.value)
+    assert "stopped at step 7" in message and "3 steps in a row" in message
+    assert str(tmp_path / "run" / "spikes.jsonl") in message
+    assert str(tmp_path / "run" / "checkpoints" / "step-00000006") in message
+    assert len(read_lines(tmp_path / "run" / "spikes.jsonl")) == 3
+
+
+# ---------------------------------------------------------------------------------------
+# Distributed
+# ---------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, port: int, config_dict: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    fit(FitConfig(**config_dict))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_equal_one_rank(cache_dir, tmp_path):
+    # 24 blocks per step of 5 per sequence: each rank's 12 blocks end mid-sequence.
+    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5)
+    two = tiny_config(cache_dir, tmp_path / "two", max_steps=4, anchors_per_seq=5)
+    torch.multiprocessing.spawn(_rank_main, args=(1, _free_port(), one.to_dict()), nprocs=1)
+    torch.multiprocessing.spawn(_rank_main, args=(2, _free_port(), two.to_dict()), nprocs=2)
+    lines_one = read_lines(tmp_path / "one" / "metrics.jsonl")
+    lines_two = read_lines(tmp_path / "two" / "metrics.jsonl")
+    # Same global batch, same weights: only the order of fp32 sums differs.
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([x[key] for x in lines_two], [x[key] for x in lines_one], rtol=1e-5)
+    assert [x["tokens"] for x in lines_two] == [x["tokens"] for x in lines_one]
+    a = load_file(str(latest_checkpoint(tmp_path / "one") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "two") / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def test_cli_fit_with_config_file_and_flags(cache_dir, tmp_path):
+    config_file = tmp_path / "fit.toml"
+    config_file.write_text(f'cache = ["{cache_dir}"]\nnum_layers = 1\nblock_size = 4\n'
+                           f'anchors_per_seq = 6\ntokens_per_step = 96\neval_every = 0\n')
+    result = CliRunner().invoke(main, ["fit", "--config", str(config_file), "--out", str(tmp_path / "run"),
+                                       "--max-steps", "2", "--no-wandb", "--decay-gamma", "3.5"])
+    assert result.exit_code == 0, result.output
+    assert "done: 2/2 steps" in result.output
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["decay_gamma"] == 3.5 and saved["max_steps"] == 2 and saved["block_size"] == 4
+    # Rerunning resumes (nothing left to do) and refuses a changed learning rate.
+    again = CliRunner().invoke(main, ["fit", "--config", str(config_file), "--out", str(tmp_path / "run"),
+                                      "--max-steps", "2", "--no-wandb", "--decay-gamma", "3.5", "--lr", "1e-3"])
+    assert again.exit_code != 0 and "lr" in str(again.exception or again.output)

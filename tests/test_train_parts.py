@@ -1,0 +1,196 @@
+"""Units of the trainer: schedule, gate, checkpoint writer, config loading, console line."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from dflash.train import checkpoint as checkpoint_module
+from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
+from dflash.train.config import FitConfig, check_resume, resolve
+from dflash.train.fit import lr_at
+from dflash.train.gating import GatingConfig, SpikeGate
+from dflash.train.logging import console_line, format_duration, tau_estimate
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, 1.5e-4), (3, 6e-4),  # warm-up: 4 steps of 100
+    (4, 6e-4), (52, 3e-4), (100, 0.0),  # cosine from step 4 to 100
+])
+def test_lr_schedule(step, expected):
+    assert lr_at(step, 100, 0.04, 6e-4) == pytest.approx(expected, abs=1e-12)
+
+
+# -- gate ----------------------------------------------------------------------------------
+
+
+def warmed_gate(steps: int = 5, loss: float = 2.0, grad_norm: float = 1.0) -> SpikeGate:
+    gate = SpikeGate(GatingConfig(factor=3.0, warmup_steps=3, max_consecutive_skips=2))
+    for _ in range(steps):
+        gate.record(loss, grad_norm, skipped=False)
+    return gate
+
+
+@pytest.mark.parametrize("loss,grad_norm,reason", [
+    (float("nan"), 1.0, "loss is not finite"),
+    (2.0, float("inf"), "gradient norm is not finite"),
+    (6.1, 1.0, "loss 6.1 > 3 x running mean 2"),
+    (2.0, 3.1, "gradient norm 3.1 > 3 x running mean 1"),
+    (5.9, 2.9, None),
+])
+def test_gate_decisions(loss, grad_norm, reason):
+    got = warmed_gate().reason_to_skip(loss, grad_norm)
+    assert got == reason if reason is None else got.startswith(reason)
+
+
+def test_gate_waits_for_warmup_but_never_accepts_nan():
+    gate = warmed_gate(steps=2)
+    assert gate.reason_to_skip(100.0, 100.0) is None
+    assert gate.reason_to_skip(float("nan"), 1.0) is not None
+
+
+def test_gate_means_move_on_accepted_steps_only_and_stop_after_consecutive_skips():
+    gate = warmed_gate()
+    before = gate.state_dict()
+    gate.record(100.0, 100.0, skipped=True)
+    assert gate.loss_mean == pytest.approx(2.0) and not gate.should_stop
+    gate.record(100.0, 100.0, skipped=True)
+    assert gate.should_stop
+    assert {k: v for k, v in gate.state_dict().items() if k != "consecutive_skips"} == \
+        {k: v for k, v in before.items() if k != "consecutive_skips"}
+    gate.record(2.0, 1.0, skipped=False)
+    assert gate.consecutive_skips == 0
+
+
+def test_gate_state_round_trips_through_json():
+    gate = warmed_gate(loss=1.234567890123)
+    other = SpikeGate(gate.config)
+    other.load_state_dict(json.loads(json.dumps(gate.state_dict())))
+    assert other == gate
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_checkpoint_round_trip_keeps_last_k(tmp_path):
+    model, optimizer = model_and_optimizer()
+    writer = CheckpointWriter(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        writer.save(step, model.state_dict(), optimizer.state_dict(), {"gate": {"x": step}})
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the snapshot must not see later in-place updates
+    writer.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    weights, optim, state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 3 and state["gate"] == {"x": 3}
+    torch.testing.assert_close(weights["weight"], saved, rtol=0, atol=0)
+    fresh = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=0.1)
+    fresh.load_state_dict(optim)
+    for a, b in zip(fresh.state.values(), optimizer.state.values()):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=0, atol=0)
+    assert {e.step for e in writer.pop_finished()} == {1, 2, 3}
+
+
+def test_checkpoint_writer_error_is_raised_in_the_caller(tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", broken)
+    writer = CheckpointWriter(tmp_path, keep=2)
+    writer.save(1, model.state_dict(), optimizer.state_dict(), {})
+    with pytest.raises(RuntimeError, match="checkpoint writer failed: disk full"):
+        writer.wait()
+    assert latest_checkpoint(tmp_path) is None  # the half-written folder is never listed
+
+
+def test_stale_temporary_checkpoint_is_ignored_and_removed(tmp_path):
+    (tmp_path / "checkpoints" / ".step-00000009.tmp").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) is None
+    CheckpointWriter(tmp_path, keep=1)
+    assert not (tmp_path / "checkpoints" / ".step-00000009.tmp").exists()
+
+
+def test_checkpoint_refuses_pickled_objects(tmp_path):
+    model, optimizer = model_and_optimizer()
+    writer = CheckpointWriter(tmp_path, keep=1)
+    writer.save(1, model.state_dict(), optimizer.state_dict(), {})
+    writer.wait()
+    path = latest_checkpoint(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"state": Evil()}, path / "optimizer.pt")
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        load_checkpoint(path)
+
+
+# -- config --------------------------------------------------------------------------------
+
+
+def test_toml_then_flags(tmp_path):
+    path = tmp_path / "fit.toml"
+    path.write_text('cache = ["a", "b"]\nout = "run"\nblock-size = 8\nlr = 1e-3\ndecay_gamma = "auto"\n')
+    config = resolve(path, {"lr": 2e-3, "epochs": None})
+    assert config.cache == ["a", "b"] and config.block_size == 8 and config.lr == 2e-3
+    assert config.epochs == 6 and config.decay_gamma is None
+
+
+@pytest.mark.parametrize("text,message", [
+    ('cache = ["a"]\nout = "r"\nlearning_rate = 1\n', "unknown field"),
+    ('cache = ["a"]\nout = "r"\nblock_size = 1\n', "block_size must be >= 2"),
+    ('cache = ["a"]\nout = "r"\ntokens_per_step = 100\n', "multiple of block_size"),
+    ('cache = ["a"]\nout = "r"\nloss = "mse"\n', "loss must be one of"),
+    ('out = "r"\n', "cache"),
+    ('cache = [\n', "not valid TOML"),
+])
+def test_config_errors_name_the_field(tmp_path, text, message):
+    path = tmp_path / "fit.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        resolve(path, {})
+
+
+def test_resume_refuses_a_changed_numeric_field(tmp_path):
+    saved = FitConfig(cache=["c"], out=str(tmp_path), lr=1e-3)
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    check_resume(tmp_path / "config.json", FitConfig(cache=["c"], out=str(tmp_path), lr=1e-3, eval_every=7))
+    with pytest.raises(ValueError, match="lr = 0.001"):
+        check_resume(tmp_path / "config.json", FitConfig(cache=["c"], out=str(tmp_path), lr=2e-3))
+
+
+# -- console -------------------------------------------------------------------------------
+
+
+def test_console_line_format():
+    record = {"step": 4700, "epoch": 0.412, "epoch_index": 1, "epoch_fraction": 0.412, "loss": 0.53,
+              "accuracy": [0.8, 0.5, None], "grad_norm": 1.0, "lr": 1e-4, "skipped": False,
+              "tokens": 1, "tokens_per_s": 26200.0, "data_time_s": 0.0, "step_time_s": 1.0}
+    line = console_line(record, epochs=6, total_steps=68780, eta_s=4 * 86400 + 13 * 3600 + 60)
+    assert line == "epoch 1/6 (41.2%) step 4700/68780 loss 0.53 acc 0.65 tau~2.2 26.2k tok/s ETA 4d13h"
+
+
+@pytest.mark.parametrize("seconds,text", [(59.4, "59s"), (61, "1m01s"), (3 * 3600 + 300, "3h05m"),
+                                          (math.inf, "?")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_tau_estimate():
+    assert tau_estimate([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert tau_estimate([None, 0.9]) == 1.0
