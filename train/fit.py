@@ -201,6 +201,9 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             optimizer.zero_grad(set_to_none=True)
             gate.record(loss, grad_norm, skipped=reason is not None)
             step += 1
+            stopping = reason is not None and gate.should_stop
+            if not stopping and (step % config.checkpoint_every == 0 or step == total_steps):
+                save_checkpoint()  # the host snapshot is part of this step's time; the write is not
 
             step_time_s = time.perf_counter() - t_start
             step_times.append(step_time_s)
@@ -220,7 +223,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             if reason is not None:
                 if is_main:
                     _log_spike(run_dir, corpus, plan, epoch, step_in_epoch, step, loss, grad_norm, gate, reason)
-                if gate.should_stop:
+                if stopping:
                     if writer is not None:
                         writer.wait()
                     where = latest_checkpoint(run_dir)
@@ -233,8 +236,6 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                         f"to resume from that checkpoint."
                     )
 
-            if step % config.checkpoint_every == 0 or step == total_steps:
-                save_checkpoint()
             if config.eval_every and (step % config.eval_every == 0 or step == total_steps) \
                     and held_out.any():
                 t_eval = time.perf_counter()
