@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# GPU check of dflash.kernels.sparse_kl_loss on one CUDA device (written for an H200).
+#
+#   bash bench/gpu_check.sh            # from any directory; about 5 minutes, at most 6
+#
+# 1. finds a python with torch (CUDA) and triton; installs nothing (the device machine has
+#    no network): set PYTHON=/path/to/python to choose one;
+# 2. makes this checkout's dflash.kernels importable (installed, or through a namespace shim);
+# 3. parity of the Triton path at full size (N, H, V, k) = (16384, 4096, 151936, 32):
+#    bf16 Triton against the torch chunked path in fp32 (IEEE matmuls) on the same bf16
+#    values, and against the plain bf16 PyTorch form (the Cut Cross-Entropy criterion);
+#    fp32 Triton and dW at N = 2048; bitwise determinism of two runs;
+# 4. the timing table: python bench/loss_bench.py --device cuda --json (last line JSON).
+# Exit status: 0 all checks passed, 1 a parity check failed, 2 no usable python/GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
+TOTAL_BUDGET_S=350      # keep the whole script under 6 minutes
+
+PY=""
+for cand in "${PYTHON:-}" "$REPO/.venv/bin/python" python3 python; do
+  [ -n "$cand" ] || continue
+  command -v "$cand" >/dev/null 2>&1 || continue
+  if "$cand" -c "import torch, triton; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    PY="$cand"
+    break
+  fi
+done
+if [ -z "$PY" ]; then
+  echo "gpu_check: FAIL: no python here imports torch with CUDA and triton" >&2
+  echo "  tried: \${PYTHON} '$REPO/.venv/bin/python' python3 python; set PYTHON=/path/to/python" >&2
+  exit 2
+fi
+
+# dflash.* is a namespace of top-level folders mapped by pyproject.toml; without an install,
+# a directory holding dflash/kernels -> this checkout's kernels/ gives the same import name.
+if ! "$PY" -c "import dflash.kernels" >/dev/null 2>&1; then
+  SHIM="$(mktemp -d)"
+  mkdir -p "$SHIM/dflash"
+  ln -s "$REPO/kernels" "$SHIM/dflash/kernels"
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PY" - "$REPO" <<'EOF'
+import os, sys, torch, triton
+import dflash.kernels
+where = os.path.realpath(os.path.dirname(dflash.kernels.__file__))
+if where != os.path.realpath(os.path.join(sys.argv[1], "kernels")):
+    sys.exit(f"gpu_check: FAIL: dflash.kernels imports from {where}, not this checkout; "
+             "uninstall that copy or run from it")
+print(f"gpu_check: python {sys.executable}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"{torch.cuda.get_device_name()}, dflash.kernels from {where}", flush=True)
+EOF
+
+echo "gpu_check: parity at full size" >&2
+if ! timeout 170 "$PY" - "$REPO" <<'EOF'
+import sys, time
+import torch
+
+sys.path.insert(0, f"{sys.argv[1]}/bench")
+from loss_bench import make_inputs  # noqa: E402
+from dflash.kernels import sparse_kl_loss  # noqa: E402
+
+torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference and fp32 Triton use IEEE fp32
+failures = []
+
+
+def check(name, value, limit):
+    ok = value <= limit
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {value:.3e} (limit {limit:.3e})", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def run(impl, hidden, weight, ids, logprobs, **kw):
+    """(loss, argmax, dX, dW or None, seconds) of one forward + backward."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    x = hidden.detach().clone().requires_grad_(True)
+    loss, argmax = sparse_kl_loss(x, weight, ids, logprobs, impl=impl, return_argmax=True, **kw)
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), argmax, x.grad, weight.grad, time.perf_counter() - t0
+
+
+def rel(a, b):
+    """Frobenius-norm relative difference, in fp64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# Tolerances. bf16 products are exact in fp32, so Triton's bf16 tl.dot with fp32 accumulation
+# differs from the fp32 reference on the same values only by summation order over H = 4096:
+# ~1e-6 relative on logits, lse and the loss; 1e-4 is the loss limit. dX is rounded to bf16
+# twice (the dense dZ workspace, then dX itself), 2^-9 relative each at worst per element and
+# less in norm; 1e-2 in Frobenius norm is a 2.5x margin over two worst-case roundings. The
+# bf16 run must also be no worse than the plain bf16 PyTorch form, whose logits are rounded
+# to bf16 before the softmax (error ~2^-9 * |z| on every logit), plus 2^-9.
+N, H, V, K = 16384, 4096, 151936, 32
+hidden, weight, ids, logprobs = make_inputs(N, H, V, K, dtype=torch.bfloat16, device="cuda")
+hidden = hidden.detach()
+ref_loss, ref_arg, ref_dx, _, t_ref = run("torch", hidden.float(), weight.float(), ids, logprobs)
+print(f"  fp32 torch reference: loss {ref_loss.item():.6f} in {t_ref:.1f} s", flush=True)
+loss, arg, dx, _, t_tri = run("triton", hidden, weight, ids, logprobs)
+print(f"  bf16 triton: loss {loss.item():.6f} in {t_tri:.1f} s (first call compiles)", flush=True)
+check("bf16 triton loss vs fp32 reference (relative)", abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), 1e-4)
+check("bf16 triton dX vs fp32 reference (relative Frobenius)", rel(dx, ref_dx), 1e-2)
+check("bf16 triton argmax disagreement with fp32 reference (fraction)", (arg != ref_arg).float().mean().item(), 1e-3)
+loss2, arg2, dx2, _, _ = run("triton", hidden, weight, ids, logprobs)
+check("triton determinism: differing bits between two runs (count)",
+      float((loss2 != loss).sum() + (arg2 != arg).sum() + (dx2 != dx).sum()), 0.0)
+base_loss, _, base_dx, _, _ = run("naive", hidden, weight, ids, logprobs)
+base_loss_err = abs(base_loss.item() - ref_loss.item()) / abs(ref_loss.item())
+print(f"  plain bf16 form: loss error {base_loss_err:.3e}, dX error {rel(base_dx, ref_dx):.3e}", flush=True)
+check("bf16 triton loss error minus bf16 form's", abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+      - base_loss_err, 2.0**-9)
+check("bf16 triton dX error minus bf16 form's", rel(dx, ref_dx) - rel(base_dx, ref_dx), 2.0**-9)
+del ref_dx, dx, dx2, base_dx
+torch.cuda.empty_cache()
+
+# fp32 inputs (IEEE dots in Triton) and dW, at N = 2048: fp32 end to end, so the limits are
+# fp32 summation-order limits, 1e-5 on the loss and 1e-4 on the gradients.
+n = 2048
+x32, w32, ids_s, lq_s = hidden[:n].float(), weight.float(), ids[:n], logprobs[:n]
+w32.requires_grad_(True)
+ref_loss, _, ref_dx, ref_dw, _ = run("torch", x32, w32, ids_s, lq_s)
+w32.grad = None
+loss, _, dx, dw, _ = run("triton", x32, w32, ids_s, lq_s)
+check("fp32 triton loss vs torch (relative)", abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), 1e-5)
+check("fp32 triton dX vs torch (relative Frobenius)", rel(dx, ref_dx), 1e-4)
+check("fp32 triton dW vs torch (relative Frobenius)", rel(dw, ref_dw), 1e-4)
+if failures:
+    sys.exit(f"gpu_check: FAIL: {len(failures)} parity check(s): {failures}")
+print("gpu_check: parity ok", flush=True)
+EOF
+then
+  echo "gpu_check: FAIL: parity did not pass (a failed check above, an error, or over its 170 s limit)" >&2
+  exit 1
+fi
+
+LEFT=$((TOTAL_BUDGET_S - SECONDS))
+echo "gpu_check: timing table (${LEFT} s left)" >&2
+# The bench skips what remains once its budget is spent; the hard timeout is the backstop.
+timeout $((LEFT > 60 ? LEFT : 60)) "$PY" bench/loss_bench.py --device cuda --json --budget-s $((LEFT > 100 ? LEFT - 60 : 40))
