@@ -1,0 +1,225 @@
+"""`dflash-train eval` and `export` end to end: a real (tiny) fit run, its held-out set, the
+online check against a tiny Hugging Face target with a chat template, and the export card.
+
+The online test builds its cache the way stage one does with `--regenerate` (the target's
+own greedy replies to each record's prompt, features `hidden_states[id + 1]`, top-k of the
+log-softmax), written with the real cache writer, so that the held-out records of the cache
+are prompts of the JSONL file and offline and online figures come out side by side.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
+from dflash.train.cli import main
+from dflash.train.config import FitConfig
+from dflash.train.data import held_out_mask
+from dflash.train.evaluate import evaluate_offline
+from dflash.train.export import load_drafter, load_exported
+from dflash.train.fit import fit
+from dflash.train.model import TargetHead
+from dflash.train.synthetic import write_synthetic_training_cache
+
+LAYER_IDS = [1, 3]
+
+
+def last_json(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def fit_run(cache: Path, out: Path, **overrides) -> Path:
+    fields = dict(cache=[str(cache)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=8,
+                  epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=3, eval_every=0,
+                  eval_fraction=0.25, wandb=False, log_every=1)
+    fields.update(overrides)
+    fit(FitConfig(**fields))
+    return out
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("synthetic")
+    write_synthetic_training_cache(root / "cache", lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
+    return root / "cache", fit_run(root / "cache", root / "run")
+
+
+def test_offline_eval_scores_the_held_out_sequences(synthetic_run):
+    cache_dir, run = synthetic_run
+    result = CliRunner().invoke(main, ["eval", "--run", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    held = np.flatnonzero(held_out_mask(8, 0.25, 0))
+    assert figures["num_sequences"] == len(held) == 2
+    # The same figures from the plain function on exactly those sequences.
+    cache = open_cache(cache_dir)
+    loaded = load_drafter(run)
+    expected = evaluate_offline(loaded.drafter, TargetHead.load(cache.target_dir, dtype=torch.float32),
+                                [cache[int(i)] for i in held], block_size=4)
+    for key in ("acceptance_length", "per_position_acceptance", "num_anchors", "replay_acceptance_length"):
+        assert figures[key] == expected[key], key
+    assert 1.0 <= figures["acceptance_length"] <= 4.0
+    assert len(figures["per_position_acceptance"]) == 3
+    assert Path(figures["saved_to"]) == run / "eval" / f"{Path(figures['checkpoint']).name}.json"
+    saved = json.loads(Path(figures["saved_to"]).read_text())
+    assert saved["acceptance_length"] == figures["acceptance_length"]
+    assert "offline  tau" in result.output
+
+
+def test_other_cache_is_scored_whole_and_block_size_can_shrink(synthetic_run, tmp_path):
+    _, run = synthetic_run
+    write_synthetic_training_cache(tmp_path / "other", lengths=[30, 31, 32], seed=5)
+    result = CliRunner().invoke(main, ["eval", "--run", str(run), "--cache", str(tmp_path / "other"),
+                                       "--block-size", "3", "--no-save", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    assert figures["num_sequences"] == 3
+    assert figures["block_size"] == 3 and len(figures["per_position_acceptance"]) == 2
+
+
+def test_export_cli_carries_the_measured_tau(synthetic_run, tmp_path):
+    _, run = synthetic_run
+    runner = CliRunner()
+    figures = last_json(runner.invoke(main, ["eval", "--run", str(run), "--json"]).output)
+    result = runner.invoke(main, ["export", "--run", str(run), "--out", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert f"| {figures['acceptance_length']:.3f} |" in card
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2, 4]
+    reloaded = load_exported(tmp_path / "export")
+    original = load_drafter(run).drafter
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_eval_errors_are_usage_errors(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["eval", "--online", "--run", str(tmp_path)])
+    assert result.exit_code == 2 and "--target" in result.output
+    result = runner.invoke(main, ["eval", "--run", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "dflash-train fit" in result.output
+
+
+# --------------------------------------------------------------------------- online
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer():
+    """A fast character-level tokenizer with ChatML special tokens, built in code."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(chars)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, max_new_tokens: int) -> None:
+    """A cache of the target's greedy replies to every record's prompt (as stage one's --regenerate)."""
+    from dflash.train.evaluate import load_prompts
+    from dflash.train.speculative import greedy_generate, target_features
+
+    V, H = target.config.vocab_size, target.config.hidden_size
+    spec = CacheSpec(vocab_size=V, hidden_size=H, layer_ids=LAYER_IDS, top_k=8, topk_codec="raw",
+                     max_length=256, regenerated=True, generation_temperature=0.0,
+                     target={"name": "tiny-chat", "model_type": "qwen3", "num_layers": 6})
+    prompts, _ = load_prompts(prompts_path, tokenizer)
+    writer = CacheWriter(cache_dir, spec, rank=0, world_size=1)
+    for prompt in prompts:
+        reply = greedy_generate(target, prompt.token_ids, max_new_tokens=max_new_tokens,
+                                stop_token_ids={2}).tokens
+        ids = torch.tensor([prompt.token_ids + reply])  # [1, T]
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True)
+        features = target_features(out.hidden_states, LAYER_IDS)[0].view(ids.shape[1], len(LAYER_IDS), H)
+        top = torch.log_softmax(out.logits[0].double(), -1).topk(8)
+        mask = np.zeros(ids.shape[1], dtype=bool)
+        mask[len(prompt.token_ids):] = True
+        writer.add(input_ids=ids[0].numpy(), loss_mask=mask, features=features.numpy(),
+                   topk_ids=top.indices.numpy().astype(np.int32),
+                   topk_logprobs=top.values.float().numpy(), source=prompt.source)
+    writer.close()
+    finalize_cache(cache_dir, spec, 1)
+    head = cache_dir / "target"
+    head.mkdir()
+    save_file({"embed_tokens.weight": target.get_input_embeddings().weight.detach().contiguous(),
+               "lm_head.weight": target.get_output_embeddings().weight.detach().contiguous()},
+              str(head / "head.safetensors"))
+    (head / "config.json").write_text(target.config.to_json_string())
+    (head / "target.json").write_text(json.dumps({
+        "layer_ids": LAYER_IDS, "num_layers": 6, "hidden_size": H, "vocab_size": V,
+        "tie_word_embeddings": False, "model_type": "qwen3", "mask_token_id": None, "pad_token_id": 0,
+        "eos_token_id": 2, "bos_token_id": None, "rms_norm_eps": 1e-6, "rope_theta": 1e6}))
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        initializer_range=0.2, eos_token_id=2, pad_token_id=0)).eval()
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    words = ["hello", "how are you", "tell me a story", "what is this", "ok", "fine thanks", "why", "no"]
+    prompts = root / "chat.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": words[i % 8]}, {"role": "assistant", "content": words[(i + 3) % 8]},
+                {"role": "user", "content": words[(i * 5) % 8] + "?"}]}) + "\n")
+    regenerated_cache(target, tokenizer, prompts, root / "cache", max_new_tokens=20)
+    run = fit_run(root / "cache", root / "run", eval_fraction=0.3)
+    return root, prompts, run
+
+
+def test_online_eval_is_lossless_beside_offline(chat_setup):
+    root, prompts, run = chat_setup
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--cache", str(root / "cache"), "--target", str(root / "target"),
+        "--prompts", str(prompts), "--max-new-tokens", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    online = figures["online"]
+    held = np.flatnonzero(held_out_mask(10, 0.3, 0))
+    # The held-out sequences are the prompts: both sides see the same conversations.
+    assert figures["num_sequences"] == online["num_prompts"] == len(held)
+    assert sorted(p["index"] for p in online["per_prompt"]) == held.tolist()
+    assert online["lossless"] is True and online["mismatches"] == []
+    assert online["stop_token_ids"] == [2]
+    assert 1.0 <= online["acceptance_length"] <= 4.0
+    assert online["tokens_per_s"] > 0 and online["baseline_tokens_per_s"] > 0
+    assert figures["regenerated"] is True and figures["replay_acceptance_length"] is not None
+    assert "online   tau" in result.output and "lossless yes" in result.output
+
+
+@pytest.mark.parametrize("block_size", ["2", "16"])
+def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
+    root, prompts, run = chat_setup
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--target", str(root / "target"), "--prompts", str(prompts),
+        "--max-new-tokens", "13", "--block-size", block_size, "--limit", "3", "--no-save", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    assert "acceptance_length" not in figures
+    assert figures["online"]["num_prompts"] == 3 and figures["online"]["lossless"] is True
