@@ -54,19 +54,32 @@ class RawSequence:
 
 
 def _inside(root: Path, relative: Any, field: str) -> Path:
-    """Resolve a manifest path, refusing anything that leaves the cache directory."""
+    """Join a manifest path to the cache directory, refusing one that leaves it.
+
+    The check is lexical (no system call, so opening a cache of many shards stays fast);
+    symbolic links are checked when a path is opened (`_check_resolved`).
+    """
     if not isinstance(relative, str) or not relative or os.path.isabs(relative):
         raise ValueError(
             f"{root / MANIFEST}: {field} must be a relative path inside the cache, got {relative!r}; "
             "the manifest is damaged or not from dflash"
         )
-    path = (root / relative).resolve()
-    if not path.is_relative_to(root.resolve()):
+    normal = os.path.normpath(relative)
+    if normal == os.pardir or normal.startswith(os.pardir + os.sep):
         raise ValueError(
             f"{root / MANIFEST}: {field} {relative!r} points outside the cache directory; "
             "refusing to read it (the manifest is damaged or not from dflash)"
         )
-    return path
+    return root / normal
+
+
+def _check_resolved(root: Path, path: Path) -> None:
+    """Refuse a path that a symbolic link takes outside the cache directory."""
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(
+            f"{path} resolves to {path.resolve()}, outside the cache directory {root}; "
+            "refusing to read it"
+        )
 
 
 class Cache:
@@ -95,6 +108,8 @@ class Cache:
         self.shard_paths = [_inside(self.root, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
         self.target_dir = _inside(self.root, manifest["target_dir"], "target_dir")
         self.rejected_path = _inside(self.root, manifest["rejected"], "rejected")
+        _check_resolved(self.root, self.target_dir)
+        _check_resolved(self.root, self.rejected_path)
         seqs = manifest["sequences"]
         self.lengths = np.asarray(seqs["length"], dtype=np.int64)  # [N]
         self.num_loss_tokens = np.asarray(seqs["num_loss_tokens"], dtype=np.int64)  # [N]
@@ -203,17 +218,18 @@ class Cache:
         if reader is not None:
             self._open.move_to_end(shard)
             return reader
-        reader = open_shard(self.shard_paths[shard], self.shards[shard], self.spec)
+        reader = open_shard(self.root, self.shard_paths[shard], self.shards[shard], self.spec)
         self._open[shard] = reader
         if len(self._open) > self._max_open:
             self._open.popitem(last=False)
         return reader
 
 
-def open_shard(path: Path, entry: dict[str, Any], spec: CacheSpec) -> pa.ipc.RecordBatchFileReader:
+def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -> pa.ipc.RecordBatchFileReader:
     """Map one shard and check it against its manifest entry (size, version, schema, rows)."""
     if not path.exists():
         raise ValueError(f"{path} is missing; the cache is incomplete (re-run dflash-precompute)")
+    _check_resolved(root, path)
     size = path.stat().st_size
     if size != entry["num_bytes"]:
         raise ValueError(

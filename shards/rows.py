@@ -90,10 +90,19 @@ def _array(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(dtype, values.size, [None, _buffer(values)])
 
 
-def _view(array: pa.Array) -> np.ndarray:
-    """Read-only numpy view of a primitive Arrow array without nulls."""
-    dtype = np.dtype(array.type.to_pandas_dtype())
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+def list_values(column: pa.Array) -> np.ndarray:
+    """Read-only numpy view of all values of a large_list column of primitives (no nulls).
+
+    Reads the offsets and the child buffer directly: `ListArray.flatten()` would import
+    pyarrow.compute (another 0.15 s per process) and build a new array.
+    """
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64, count=len(column) + 1,
+                            offset=column.offset * 8)
+    child = column.values
+    dtype = np.dtype(child.type.to_pandas_dtype())
+    start = child.offset + int(offsets[0])
+    return np.frombuffer(child.buffers()[1], dtype=dtype, count=int(offsets[-1] - offsets[0]),
+                         offset=start * dtype.itemsize)
 
 
 def row_checksum(values: list[np.ndarray]) -> int:
@@ -171,7 +180,7 @@ def read_row(batch: pa.RecordBatch, spec: CacheSpec, *, check: bool) -> RowColum
     counts = values_per_token(spec)
     values = {}
     for name, _ in list_columns(spec):
-        flat = _view(batch.column(name).flatten())
+        flat = list_values(batch.column(name))
         if flat.size != num_tokens * counts[name]:
             raise ValueError(
                 f"column {name} holds {flat.size} values, expected {num_tokens} tokens x "

@@ -205,7 +205,7 @@ def validate_row(
 def _value_bytes(column: pa.Array) -> int:
     """Bytes of a column's values (list offsets excluded: they are per row, not per token)."""
     if pa.types.is_large_list(column.type):
-        return column.flatten().nbytes
+        return rows.list_values(column).nbytes
     return column.nbytes
 
 
@@ -459,8 +459,9 @@ class CacheWriter:
         tmp = self._tmp_path()
         final = self.shards_dir / shard_name(self.rank, self._num_shards)
         digest = file_sha256(tmp)
+        # The directory is fsynced once, by the record's atomic write below: a crash before
+        # that leaves a shard without a record (or neither), which the next writer deletes.
         os.replace(tmp, final)
-        fsync_dir(self.shards_dir)
         column_bytes: dict[str, int] = {}
         for row in self._shard_rows:
             for name, size in row["column_bytes"].items():

@@ -224,6 +224,10 @@ def _corrupt(name, value):
         (_corrupt("loss_mask", lambda r: r["loss_mask"][:-1]), "loss_mask has shape"),
         (_corrupt("features", lambda r: r["features"][:, :2]), "features has shape"),
         (_corrupt("features", lambda r: np.where(r["features"] > 1, np.nan, r["features"])), "inf or NaN"),
+        (_corrupt("features", lambda r: np.full(r["features"].shape, 0x7FC0, np.uint16)),
+         r"features \(bf16 bits\) hold inf or NaN"),
+        (_corrupt("features", lambda r: np.full(r["features"].shape, 3.39e38, np.float32)), "bf16 range"),
+        (_corrupt("features", lambda r: r["features"].astype(np.int32)), "must be float or uint16"),
         (_corrupt("topk_logprobs", lambda r: r["topk_logprobs"] + 5), "<= 0"),
         (_corrupt("topk_logprobs", lambda r: r["topk_logprobs"] - r["topk_logprobs"].max() - 0.01),
          "sum to .* > 1"),
@@ -430,6 +434,17 @@ def test_paths_leaving_the_cache_are_refused(tmp_path, field, value, message):
     _edit_manifest(tmp_path, edit)
     with pytest.raises(ValueError, match=message):
         open_cache(tmp_path)
+
+
+def test_symlink_out_of_the_cache_is_refused(tmp_path):
+    spec = make_spec()
+    write(tmp_path / "cache", spec, make_rows(spec, lengths=[3]))
+    shard = tmp_path / "cache" / "shards" / "rank00000-00000.arrow"
+    shard.rename(tmp_path / "elsewhere.arrow")
+    shard.symlink_to(tmp_path / "elsewhere.arrow")
+    cache = open_cache(tmp_path / "cache")
+    with pytest.raises(ValueError, match="outside the cache directory"):
+        cache[0]
 
 
 def test_truncated_shard_is_caught(tmp_path):
