@@ -11,6 +11,7 @@ probability), all in one fixed number of bytes per token.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -157,12 +158,6 @@ def _field_bits(values: np.ndarray, nbits: int) -> np.ndarray:
     return bits.reshape(values.shape[0], -1).astype(np.uint8)
 
 
-def _field_values(bits: np.ndarray, nbits: int) -> np.ndarray:
-    """[T, n * nbits] uint8 bits -> [T, n] int64."""
-    weights = np.left_shift(1, np.arange(nbits, dtype=np.int64))
-    return bits.reshape(bits.shape[0], -1, nbits).astype(np.int64) @ weights
-
-
 def _chain_bits(i: int) -> int:
     return FIRST_BITS if i == 0 else REST_BITS
 
@@ -214,32 +209,40 @@ def encode_topk_packed(
     return np.packbits(bits, axis=1, bitorder="little")
 
 
+@functools.lru_cache(maxsize=16)
+def _packed_fields(top_k: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per field of the packed layout: (byte index [F, 8] of the 8 bytes holding it,
+    bit shift [F], mask [F]); F = 2 + 2k - 1 fields (tail, shares, ids)."""
+    widths = np.array([MASS_BITS, FIRST_BITS] + [REST_BITS] * (top_k - 1) + [id_bits(vocab_size)] * top_k)
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    byte_index = (offsets >> 3)[:, None] + np.arange(8)
+    return byte_index, (offsets & 7).astype(np.uint64), ((1 << widths) - 1).astype(np.uint64)
+
+
 def decode_topk_packed(
     packed: np.ndarray, top_k: int, vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode uint8 [T, bytes] -> (topk_ids [T, k] int32, topk_logprobs [T, k] float32,
     tail_mass [T] float32), candidates in descending probability; exp(logprobs) sums with the
     tail to 1."""
-    num_tokens = packed.shape[0]
-    nid = id_bits(vocab_size)
-    total = MASS_BITS + FIRST_BITS + REST_BITS * (top_k - 1) + top_k * nid
-    bits = np.unpackbits(packed, axis=1, count=total, bitorder="little")  # [T, total] uint8
-    at = 0
-    mass_code = _field_values(bits[:, at:at + MASS_BITS], MASS_BITS)[:, 0]
-    at += MASS_BITS
-    first = _field_values(bits[:, at:at + FIRST_BITS], FIRST_BITS)
-    at += FIRST_BITS
-    rest = _field_values(bits[:, at:at + REST_BITS * (top_k - 1)], REST_BITS)
-    at += REST_BITS * (top_k - 1)
-    ids = _field_values(bits[:, at:at + top_k * nid], nid).astype(np.int32)  # [T, k]
-    share_codes = np.concatenate([first, rest], axis=1)  # [T, k]
+    num_tokens, num_bytes = packed.shape
+    byte_index, shifts, masks = _packed_fields(top_k, vocab_size)
+    # Every field (at most 57 bits wide) lies within the 8 bytes from its first byte: gather
+    # those as one little-endian uint64 per field, then shift and mask.
+    padded = np.zeros((num_tokens, num_bytes + 8), dtype=np.uint8)
+    padded[:, :num_bytes] = packed
+    words = np.ascontiguousarray(padded[:, byte_index]).view("<u8")[..., 0]  # [T, F] uint64
+    fields = ((words >> shifts) & masks).astype(np.int64)  # [T, F]
+    mass_code = fields[:, 0]  # [T]
+    share_codes = fields[:, 1:1 + top_k]  # [T, k]
+    ids = fields[:, 1 + top_k:].astype(np.int32)  # [T, k]
 
-    upper = np.ones(num_tokens)
-    roots = np.empty((num_tokens, top_k))
-    for i in range(top_k):
-        levels = 2 ** _chain_bits(i)
-        roots[:, i] = (share_codes[:, i] + 0.5) * upper / levels  # bin centre, never 0
-        upper = (share_codes[:, i] + 1) * upper / levels
+    # The chain's ranges are a running product: u_0 = 1, u_{i+1} = u_i (c_i + 1) / 2^b_i,
+    # the same roundings as the encoder's sequential loop (dividing by 2^b is exact).
+    levels = np.array([2.0**_chain_bits(i) for i in range(top_k)])  # [k]
+    upper = np.ones((num_tokens, top_k))
+    np.cumprod((share_codes[:, :-1] + 1) / levels[:-1], axis=1, out=upper[:, 1:])
+    roots = (share_codes + 0.5) * upper / levels  # bin centres, never 0
     shares = roots**2
     shares /= shares.sum(axis=1, keepdims=True)
 
