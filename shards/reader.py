@@ -83,7 +83,11 @@ def _check_resolved(root: Path, path: Path) -> None:
 
 
 class Cache:
-    """A finalized cache. Index with cache[i] (decoded) or cache.raw(i) (zero-copy)."""
+    """A finalized cache. Index with cache[i] (decoded) or cache.raw(i) (zero-copy).
+
+    Not thread-safe (its shard LRU is shared state): use one Cache per thread. Forked
+    processes may inherit one; the mappings are read-only.
+    """
 
     def __init__(self, root: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
         self.root = Path(root)

@@ -329,40 +329,68 @@ KILLED_WRITER = textwrap.dedent("""
     from dflash.shards.synthetic import synthetic_row
     spec = CacheSpec(**{spec})
     writer = CacheWriter(sys.argv[1], spec)
-    rng = np.random.default_rng(0)
-    for index in range(5):
-        writer.add(**synthetic_row(rng, spec, 16), source={{"file": "data.jsonl", "index": index}})
+    for index in range({start}, {stop}):
+        row = synthetic_row(np.random.default_rng(index), spec, 16)
+        writer.add(**row, source={{"file": "data.jsonl", "index": index}})
     print("ready", flush=True)
     time.sleep(60)
 """)
 
 
-def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
-    spec = make_spec(shard_max_rows=2)
-    fields = {k: v for k, v in spec.to_dict().items()}
-    script = KILLED_WRITER.format(spec=repr(fields))
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+def _row(spec, index):
+    return synthetic_row(np.random.default_rng(index), spec, 16)
+
+
+def _write_then_get_killed(cache_dir, spec, start, stop):
+    """Run a writer in a subprocess that adds records [start, stop), then SIGKILL it."""
+    script = KILLED_WRITER.format(spec=repr(spec.to_dict()), start=start, stop=stop)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(cache_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
+    spec = make_spec(shard_max_rows=2)
+    # A finalized cache of records 0-3 (two shards), then a later run adds 4-8 and is killed
+    # while its third shard (record 8) is open.
+    with CacheWriter(tmp_path, spec) as writer:
+        for index in range(4):
+            writer.add(**_row(spec, index), source={"file": "data.jsonl", "index": index})
+    finalize_cache(tmp_path, spec, 1)
+    _write_then_get_killed(tmp_path, spec, 4, 9)
+
     shards = tmp_path / "shards"
-    assert sorted(p.name for p in shards.glob("*.arrow")) == ["rank00000-00000.arrow", "rank00000-00001.arrow"]
-    partial = shards / "rank00000-00002.arrow.tmp"
+    assert sorted(p.name for p in shards.glob("*.arrow")) == [f"rank00000-0000{i}.arrow" for i in range(4)]
+    partial = shards / "rank00000-00004.arrow.tmp"
     assert partial.exists()
     with pytest.raises(pa.ArrowInvalid):
         pa.ipc.open_file(pa.memory_map(str(partial)))
-    with pytest.raises(ValueError, match="manifest.json does not exist"):
-        open_cache(tmp_path)
+    # The finalized cache still opens and reads, untouched by the killed run.
+    cache = open_cache(tmp_path)
+    assert len(cache) == 4
+    np.testing.assert_array_equal(cache[3].input_ids, _row(spec, 3)["input_ids"])
+    assert verify_cache(tmp_path)["ok"]
 
     writer = CacheWriter(tmp_path, spec)
-    assert writer.done_sources == {("data.jsonl", i) for i in range(4)}
+    assert writer.done_sources == {("data.jsonl", i) for i in range(8)}
     assert not partial.exists()
+    writer.add(**_row(spec, 8), source={"file": "data.jsonl", "index": 8})
     writer.close()
     cache = finalize_cache(tmp_path, spec, 1)
-    assert len(cache) == 4 and cache[3].input_ids.shape == (16,)
+    assert [cache.source(i)["index"] for i in range(len(cache))] == list(range(9))
+    np.testing.assert_array_equal(cache[8].input_ids, _row(spec, 8)["input_ids"])
     assert verify_cache(tmp_path)["ok"]
+
+
+def test_killed_first_writer_leaves_no_cache(tmp_path):
+    spec = make_spec(shard_max_rows=2)
+    _write_then_get_killed(tmp_path, spec, 0, 3)
+    assert [p.name for p in (tmp_path / "shards").glob("*.arrow*")] != []
+    with pytest.raises(ValueError, match="manifest.json does not exist"):
+        open_cache(tmp_path)
 
 
 # ------------------------------------------------------------------------- background writes
