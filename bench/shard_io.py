@@ -280,7 +280,8 @@ def bench_many_shards(root: Path, num_shards: int, seed: int) -> dict:
 
 
 def format_tables(report: dict) -> str:
-    lines = [f"shard_io benchmark, {report['date']}, {report['machine']}", ""]
+    lines = [f"shard_io benchmark, {report['date']}, {report['machine']}, 1-minute load average "
+             f"{report['load_average'][0]:.1f} at start, {report['load_average'][1]:.1f} at end", ""]
     lines.append("bytes per token (stored values; total = whole files / tokens)")
     lines.append(f"{'shape':<14} {'format':<24} {'features':>10} {'top-k':>8} {'ids+mask':>9} {'total':>10}")
     for shape, sizes in report["bytes_per_token"].items():
@@ -337,6 +338,7 @@ def main() -> None:
         return
 
     started = time.perf_counter()
+    load_start = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="shard_io-", dir=args.dir))
     try:
         io, sizes = [], {}
@@ -373,6 +375,7 @@ def main() -> None:
             "fp8_about_half_of_bf16": all(abs(r - 0.5) < 0.01 for r in fp8_ratio.values()),
         },
         "bench_peak_rss_mb": peak_rss_mb(),
+        "load_average": [load_start, os.getloadavg()[0]],
         "seconds": time.perf_counter() - started,
     }
     print(format_tables(report))

@@ -179,6 +179,11 @@ def validate_row(
             f"top-k probabilities sum to {mass.max():.6f} > 1 at position {position}: pass "
             "full-vocabulary normalised log-probs"
         )
+    if mass.min() <= 0:
+        fail(
+            f"top-k probabilities sum to 0 at position {int(mass.argmin())}: the top-k of a "
+            "normalised distribution holds at least 1/V"
+        )
     if spec.top_k > 1:
         sorted_ids = np.sort(topk_ids, axis=1)
         repeats = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)

@@ -232,6 +232,7 @@ def _corrupt(name, value):
         (_corrupt("topk_logprobs", lambda r: r["topk_logprobs"] - r["topk_logprobs"].max() - 0.01),
          "sum to .* > 1"),
         (_corrupt("topk_ids", lambda r: np.repeat(r["topk_ids"][:, :1], 8, 1)), "repeat an id"),
+        (_corrupt("topk_logprobs", lambda r: r["topk_logprobs"] - 1000), "sum to 0 at position 0"),
         (_corrupt("input_ids", lambda r: np.zeros(33, np.int64)), "exceed max_length 32"),
         (_corrupt("loss_mask", lambda r: np.full(len(r["input_ids"]), 2)), "loss_mask must be bool"),
         (_corrupt("input_ids", lambda r: r["input_ids"].astype(np.float32)), "must hold integers"),
