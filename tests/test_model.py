@@ -157,6 +157,21 @@ def test_flex_and_dense_agree(drafter, batch):
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_bf16_autocast_keeps_one_dtype(drafter, batch, attention):
+    """fp32 master weights under bf16 autocast (the GPU setting): every attention input is bf16."""
+    layout, embeds, features = batch
+    drafter.attention = attention
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = drafter(embeds.bfloat16(), features.bfloat16(), layout)
+    assert out.dtype == torch.bfloat16
+    # bf16 rounding through two layers: a loose match to the fp32 result.
+    drafter.attention = "dense"
+    reference = drafter(embeds, features, layout)
+    assert (out.float() - reference).abs().max() < 0.1 * reference.abs().max()
+
+
 @pytest.mark.parametrize("block", range(len(SEGMENTS[0][1])))
 def test_inference_block_matches_training(drafter, batch, block):
     layout, embeds, features = batch

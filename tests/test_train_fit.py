@@ -298,3 +298,10 @@ def test_cli_fit_with_config_file_and_flags(cache_dir, tmp_path):
     again = CliRunner().invoke(main, ["fit", "--config", str(config_file), "--out", str(tmp_path / "run"),
                                       "--max-steps", "2", "--no-wandb", "--decay-gamma", "3.5", "--lr", "1e-3"])
     assert again.exit_code != 0 and "lr" in str(again.exception or again.output)
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl+ce"])
+def test_other_losses_and_bf16_compute(cache_dir, tmp_path, loss):
+    result = fit(tiny_config(cache_dir, tmp_path / "run", loss=loss, dtype="bfloat16", max_steps=3))
+    lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+    assert result.step == 3 and all(np.isfinite(line["loss"]) and not line["skipped"] for line in lines)

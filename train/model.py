@@ -226,7 +226,8 @@ class TargetHead:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and returned in the input's dtype."""
+    """x / rms(x) * weight, computed in fp32 and returned in the input's dtype (so that fp32
+    master weights under bf16 autocast keep activations in bf16)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -236,7 +237,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight.float() * x32).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -552,8 +553,10 @@ class DFlashDrafter(nn.Module):
             return _visible(ix, q, kv)
 
         device = layout.anchors.device
+        # Compiled on CUDA: eager evaluation materialises [Q, C+Q] intermediates per index op.
         return create_block_mask(mask_mod, None, None, layout.num_queries,
-                                 layout.num_context + layout.num_queries, device=device)
+                                 layout.num_context + layout.num_queries, device=device,
+                                 _compile=device.type == "cuda")
 
     @staticmethod
     def _attend_flex(q, k_ctx, v_ctx, k_blk, v_blk, block_mask) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""Training-step benchmark: throughput, data time, and step time while a checkpoint is written.
+
+Runs `dflash.train.fit.fit` itself (not a copy of its step) on a synthetic cache, then reads
+the run's metrics.jsonl and events.jsonl:
+
+- tokens/s: block tokens per second at the median step time (the first step, which pays
+  for allocation and warm-up, is left out of the medians);
+- data time: time spent asking the plan and reading the step's rows from the memory-mapped
+  shards, as a fraction of step time (total, and the worst single step);
+- checkpoints: the step that takes the host snapshot, and the steps that run while the
+  background thread writes, against the median of the other steps.
+
+CPU section: the SmolLM2-135M shape (H 576, V 49152, 5 target features, 9/3 heads of 64,
+FFN 1536), a 2-layer drafter, block 16. GPU section (when CUDA is available): a
+Qwen3-8B-shaped drafter (5 layers, H 4096, V 151936, 32/8 heads of 128, FFN 12288, block
+16, 5 features) in bf16, with model-FLOPs utilisation against --peak-tflops.
+
+    python bench/train_step.py [--steps 24] [--json] [--cpu-only | --gpu-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from dflash.train.config import FitConfig  # noqa: E402
+from dflash.train.data import eligible_anchors  # noqa: E402
+from dflash.train.fit import fit  # noqa: E402
+from dflash.train.model import DrafterConfig, model_flops_per_token  # noqa: E402
+from dflash.train.synthetic import write_synthetic_training_cache  # noqa: E402
+
+SHAPES = {
+    "cpu": dict(vocab_size=49152, hidden_size=576, num_layers=30, layer_ids=(1, 8, 14, 20, 27),
+                num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                top_k=32),
+    "gpu": dict(vocab_size=151936, hidden_size=4096, num_layers=36, layer_ids=(1, 9, 17, 25, 33),
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                top_k=32),
+}
+
+
+def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int, drafter_layers: int,
+        anchors_per_seq: int, tokens_per_step: int, checkpoint_every: int) -> dict:
+    shape = SHAPES[section]
+    cache = workdir / f"cache-{section}"
+    t0 = time.perf_counter()
+    write_synthetic_training_cache(cache, lengths=[length] * num_sequences, seed=0, **shape)
+    cache_s = time.perf_counter() - t0
+    config = FitConfig(cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers,
+                       block_size=16, anchors_per_seq=anchors_per_seq, tokens_per_step=tokens_per_step,
+                       max_steps=steps, checkpoint_every=checkpoint_every, keep_checkpoints=1,
+                       eval_every=0, eval_fraction=0.0, device="cuda" if section == "gpu" else "cpu",
+                       wandb=False, log_every=10**9, spike_warmup_steps=10**9)
+    fit(config)
+    metrics = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (Path(config.out) / "events.jsonl").read_text().splitlines()]
+    result = analyse(metrics, events)
+    result.update(section=section, cache_write_s=cache_s, steps=steps, drafter_layers=drafter_layers,
+                  tokens_per_step=tokens_per_step, sequence_length=length, anchors_per_seq=anchors_per_seq,
+                  **{k: v for k, v in shape.items() if k != "layer_ids"})
+    if section == "gpu":
+        result.update(mfu(config, cache, result["median_step_s"], metrics))
+    return result
+
+
+def analyse(metrics: list[dict], events: list[dict]) -> dict:
+    step_s = {m["step"]: m["step_time_s"] for m in metrics}
+    data_s = {m["step"]: m["data_time_s"] for m in metrics}
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    snapshot_steps = {e["step"] for e in checkpoints}
+    during_write: set[int] = set()
+    for event in checkpoints:  # the write starts as step s ends and runs for write_s
+        elapsed, s = 0.0, event["step"] + 1
+        while s in step_s and elapsed < event["write_s"]:
+            during_write.add(s)
+            elapsed += step_s[s]
+            s += 1
+    steady = [s for s in step_s if s > 1]
+    quiet = [step_s[s] for s in steady if s not in during_write and s not in snapshot_steps]
+    median = statistics.median(quiet)
+    tokens = metrics[-1]["tokens"]
+    return {
+        "median_step_s": median,
+        "first_step_s": step_s[1],
+        "tokens_per_s": tokens / median,
+        "data_fraction": sum(data_s[s] for s in steady) / sum(step_s[s] for s in steady),
+        "max_step_data_fraction": max(data_s[s] / step_s[s] for s in steady),
+        "median_data_s": statistics.median(data_s[s] for s in steady),
+        "checkpoints": len(checkpoints),
+        "checkpoint_write_s": max((e["write_s"] for e in checkpoints), default=0.0),
+        "checkpoint_snapshot_s": max((e["snapshot_s"] for e in checkpoints), default=0.0),
+        "checkpoint_bytes": max((e["bytes"] for e in checkpoints), default=0),
+        "steps_during_write": len(during_write),
+        "max_snapshot_step_ratio": max((step_s[s] / median for s in snapshot_steps if s > 1), default=None),
+        "max_during_write_ratio": max((step_s[s] / median for s in during_write), default=None),
+        "first_loss": metrics[0]["loss"],
+        "last_loss": metrics[-1]["loss"],
+    }
+
+
+def mfu(config: FitConfig, cache: Path, step_s: float, metrics: list[dict]) -> dict:
+    """Model FLOPs per step / (step time x peak): drafter layers on block tokens, attention over
+    the mean visible context, the frozen LM head inside the loss (forward + dX), fc and the
+    per-layer context keys/values (forward + dW)."""
+    from dflash.shards import open_cache
+
+    c = open_cache(cache)
+    drafter = DrafterConfig.from_target(c.target_dir, num_hidden_layers=config.num_layers,
+                                        block_size=config.block_size)
+    anchors = np.concatenate([eligible_anchors(c.raw(i).loss_mask) for i in range(len(c))])
+    mean_anchor = float(anchors.mean())  # visible context per query
+    tokens = metrics[-1]["tokens"]
+    rows = tokens * (config.block_size - 1) / config.block_size
+    h, v, L = drafter.hidden_size, drafter.vocab_size, drafter.num_target_features
+    per_step = tokens * model_flops_per_token(drafter, mean_anchor)
+    per_step += 4.0 * rows * h * v
+    context_rows = tokens / config.block_size * mean_anchor  # upper bound: one context per block
+    context_rows = min(context_rows, metrics[-1]["tokens"] / config.anchors_per_seq / config.block_size
+                       * float(np.mean(c.lengths)))  # each sequence's context is read once per step
+    kv = 2 * drafter.num_key_value_heads * drafter.head_dim
+    per_step += context_rows * (4.0 * L * h * h + drafter.num_hidden_layers * 4.0 * h * kv)
+    return {"model_tflops_per_step": per_step / 1e12, "mfu": per_step / step_s / (PEAK_TFLOPS * 1e12)}
+
+
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+
+
+def table(results: list[dict]) -> str:
+    rows = [
+        ("shape", lambda r: f"H {r['hidden_size']} V {r['vocab_size']} L {r['drafter_layers']} layers"),
+        ("tokens/step", lambda r: f"{r['tokens_per_step']}"),
+        ("median step", lambda r: f"{r['median_step_s']:.3f} s (first {r['first_step_s']:.2f} s)"),
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+        ("data time / step time", lambda r: f"{100 * r['data_fraction']:.2f}% (worst step "
+                                            f"{100 * r['max_step_data_fraction']:.2f}%)"),
+        ("checkpoint", lambda r: f"{r['checkpoints']} x {r['checkpoint_bytes'] / 2**20:.0f} MiB, write "
+                                 f"{r['checkpoint_write_s']:.2f} s, snapshot {r['checkpoint_snapshot_s']:.3f} s"),
+        ("snapshot step / median", lambda r: _ratio(r["max_snapshot_step_ratio"])),
+        ("steps during write / median", lambda r: f"{_ratio(r['max_during_write_ratio'])} (max of "
+                                                  f"{r['steps_during_write']} steps)"),
+        ("loss first -> last", lambda r: f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"),
+        ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"),
+    ]
+    header = "| metric | " + " | ".join(r["section"] for r in results) + " |"
+    lines = [header, "|---" * (len(results) + 1) + "|"]
+    for name, fmt in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt(r) for r in results) + " |")
+    return "\n".join(lines)
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--cpu-only", action="store_true")
+    parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the caches and runs here")
+    args = parser.parse_args()
+    globals()["PEAK_TFLOPS"] = args.peak_tflops
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if not args.gpu_only:
+            results.append(run("cpu", workdir, args.steps, num_sequences=24, length=512, drafter_layers=2,
+                               anchors_per_seq=32, tokens_per_step=2048, checkpoint_every=6))
+        if not args.cpu_only and torch.cuda.is_available():
+            results.append(run("gpu", workdir, args.steps, num_sequences=16, length=2048, drafter_layers=5,
+                               anchors_per_seq=512, tokens_per_step=16384, checkpoint_every=8))
+    print(table(results))
+    if args.json:
+        print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
