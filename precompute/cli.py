@@ -52,6 +52,9 @@ def _layer_ids(ctx, param, value: str) -> list[int] | None:
 def main(as_json: bool, **options) -> None:
     """Run the target over chat data and write the cache stage two trains from."""
     options["data"] = list(options["data"])
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one progress bar: ours
     try:
         config = PrecomputeConfig(**options)
         summary = run_precompute(config)

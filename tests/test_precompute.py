@@ -297,3 +297,28 @@ def test_cli_prints_the_summary_and_reports_errors(targets, data, tmp_path):
     assert result.exit_code == 1 and "--top-k must be >= 1" in result.output
     result = CliRunner().invoke(main, [*args, "--feature-layers", "x"])
     assert result.exit_code == 2 and "comma-separated layer ids" in result.output
+
+
+def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):
+    from transformers import Gemma2Config
+
+    from test_precompute_support import VOCAB_SIZE, build_tokenizer
+
+    tokenizer = build_tokenizer("chatml")
+    gemma = Gemma2Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         final_logit_softcapping=5.0, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gemma)
+    with torch.no_grad():  # logits of several units, where tanh capping is far from identity
+        model.get_output_embeddings().weight.normal_(0.0, 1.0)
+    model.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    target = Target(tmp_path / "gemma2", layer_ids=[1], num_feature_layers=1, top_k=6,
+                    device=torch.device("cpu"), dtype=torch.float32, trust_remote_code=False)
+    assert not target.head_path  # lm_head(h) misses the soft-capping
+    sequence = ChatEncoder(tokenizer, 3072).encode(CONVERSATIONS[0]).input_ids
+    output = target.forward([sequence], ["x"])[0]
+    _, ids, logprobs = reference(target.model, sequence, [1], 6)
+    np.testing.assert_array_equal(output.topk_ids, ids)
+    np.testing.assert_allclose(output.topk_logprobs, logprobs, atol=1e-5)

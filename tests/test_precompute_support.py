@@ -94,6 +94,12 @@ def build_target(kind: str, path: Path) -> Path:
         for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.2)
+    if kind == "qwen3":  # like the real Qwen3: sampling defaults that greedy regeneration must override
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig(
+            do_sample=True, temperature=0.6, top_k=20, top_p=0.95,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
