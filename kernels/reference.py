@@ -29,7 +29,9 @@ Implementations here:
 - `naive_lse_gather`: materialises the [N, V] logits in the input dtype (as a plain
   `lm_head` would), then fp32; the reference in tests, and the baseline in benchmarks.
 - `chunked_lse_gather`: a custom autograd Function over row chunks of C rows, peak extra
-  memory one [C, V] fp32 buffer (`workspace_bytes`). Because the dense term is d_lse (a
+  memory one [C, V] fp32 buffer (`workspace_bytes`; on CUDA with bf16 inputs plus its copy
+  in bf16 for the tensor-core matmul below, and on CPU with bf16 inputs an fp32 copy of
+  the head, since CPU has no bf16 matmul with an fp32 result). Because the dense term is d_lse (a
   scalar per row) times p, its contribution to dX is `d_lse[n] * (p_n @ weight)`: the
   forward stores that expectation `e_out` [N, H] fp32 per row (over the vocabulary minus
   the row's ids, which the fp32 sparse part covers) while the chunk's logits are at hand,
@@ -243,7 +245,7 @@ class _ChunkedLseGather(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_lse, d_zsel, _d_argmax):
         hidden, weight, ids, lse, z_sel, e_out = ctx.saved_tensors
-        n, h = hidden.shape
+        n = hidden.shape[0]
         total, first = slot_gradients(d_lse, d_zsel, lse, z_sel, ids)  # [N, k'] fp32, bool
         d_hidden = d_weight = None
         if ctx.needs_input_grad[0]:

@@ -388,7 +388,12 @@ def triton_lse_gather(
             "on CPU use impl='torch'"
         )
     if config is None:
-        config = _INTERPRETER_CONFIG if INTERPRETED else TritonConfig()
+        if INTERPRETED:
+            config = _INTERPRETER_CONFIG
+        else:
+            # fp32 tiles take twice the shared memory per pipeline stage: halve the H step
+            # (3 stages of 128x32 + 128x32 fp32 tiles are 96 KiB, as bf16 at 64).
+            config = TritonConfig(block_h=32) if hidden.dtype == torch.float32 else TritonConfig()
     return _TritonLseGather.apply(
         hidden.contiguous(), weight.contiguous(), ids.contiguous(), vocab_pass, config, workspace_bytes
     )
