@@ -275,9 +275,11 @@ def _num_splits(config: TritonConfig, n: int, v: int, device: torch.device) -> t
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not INTERPRETED and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    """tl.dot's input_precision: IEEE for fp32 unless torch allows tf32 matmuls; for bf16 it
+    has no effect, and "tf32" is Triton's own default there."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 class _TritonLseGather(torch.autograd.Function):
