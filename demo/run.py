@@ -1,0 +1,146 @@
+"""The embedded default, end to end: a DFlash drafter for SmolLM2-135M-Instruct on chitchat
+conversations, on a laptop CPU, in about 15 minutes (`make demo`).
+
+It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
+prepare the target and prompts (demo/prepare.py), `dflash-precompute --regenerate`,
+`dflash-train eval` of the untrained drafter, `dflash-train fit`, `dflash-train eval` of the
+trained drafter offline and online (real speculative decoding against the target), and
+`dflash-shards info`; then it prints a summary. Everything lives under DFLASH_DEMO_DIR
+(default `.demo/` in the repository); a rerun reuses what is there: the prepared target and
+prompts, the finished cache, the finished run.
+
+The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 8, a
+few hundred one-exchange conversations whose replies the target regenerates greedily. The
+loss dominates training time on CPU (every labelled position scores all 49,152 vocabulary
+rows), so the demo trains for a fixed number of steps rather than epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from demo.prepare import chitchat_records, prepare_smollm2  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    work_dir: Path
+    """Where the target, prompts, cache and run live."""
+    num_conversations: int = 320
+    """chitchat conversations cached (first exchange of each; replies regenerated)."""
+    max_new_tokens: int = 64
+    """Longest regenerated reply, and tokens decoded per prompt online."""
+    max_length: int = 256
+    """Longest cached sequence, in tokens."""
+    num_layers: int = 1
+    """Drafter decoder layers."""
+    block_size: int = 8
+    """Draft block size."""
+    anchors_per_seq: int = 32
+    """Blocks drawn per sequence per epoch."""
+    tokens_per_step: int = 1024
+    """Block tokens per optimizer step."""
+    max_steps: int = 200
+    """Training steps."""
+    lr: float = 1e-3
+    """Peak learning rate (higher than the recipe's 6e-4: the demo trains only briefly)."""
+    eval_fraction: float = 0.08
+    """Held-out share of the cached conversations (their prompts are the online ones)."""
+    online_prompts: int = 20
+    """Held-out prompts decoded online."""
+
+    def __post_init__(self) -> None:
+        if self.num_conversations < 50:
+            raise ValueError("num_conversations must be >= 50 so that the held-out set has prompts")
+
+
+def run(cmd: list[str], *, capture_json: bool = False) -> dict | None:
+    """Run one command with its progress on the console; with capture_json, parse the JSON
+    object its last stdout line holds."""
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    if not capture_json:
+        subprocess.run(cmd, check=True)
+        return None
+    result = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    print("\n".join(lines[:-1]))
+    return json.loads(lines[-1])
+
+
+def bin_path(name: str) -> str:
+    """A console script of this environment (the venv `make demo` created)."""
+    return str(Path(sys.executable).parent / name)
+
+
+def main() -> None:
+    config = DemoConfig(work_dir=Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo")))
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    print("== preparing SmolLM2-135M-Instruct and chitchat prompts", flush=True)
+    target = prepare_smollm2(work)
+    data = work / "chitchat.jsonl"
+    if not data.is_file():
+        records = chitchat_records(limit=config.num_conversations, max_turns=2)
+        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+    cache, run_dir = work / "cache", work / "run"
+    precompute = run([
+        bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(cache),
+        "--regenerate", "--max-new-tokens", str(config.max_new_tokens), "--max-length", str(config.max_length),
+        "--device", "cpu", "--json",
+    ], capture_json=True)
+
+    fit_args = [
+        bin_path("dflash-train"), "fit", "--cache", str(cache), "--out", str(run_dir),
+        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size),
+        "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
+        "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
+        "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
+        "--device", "cpu", "--dtype", "float32", "--save-initial",
+    ]
+    fit_started = time.monotonic()
+    run(fit_args)
+    fit_s = time.monotonic() - fit_started
+
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    initial, final = checkpoints[0], checkpoints[-1]
+    evaluate = [bin_path("dflash-train"), "eval", "--run", str(run_dir), "--cache", str(cache), "--device", "cpu", "--json"]
+    before = run(evaluate + ["--checkpoint", str(initial)], capture_json=True)
+    after = run(evaluate + ["--checkpoint", str(final), "--online", "--target", str(target),
+                            "--prompts", str(data), "--limit", str(config.online_prompts),
+                            "--max-new-tokens", str(config.max_new_tokens)], capture_json=True)
+    run([bin_path("dflash-shards"), "info", str(cache)])
+
+    online = after["online"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in metrics if "step" in m and "loss" in m]
+    speedup = online["tokens_per_s"] / online["baseline_tokens_per_s"]
+    print("\n== summary")
+    print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
+          f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
+    print(f"  training     {steps[-1]['step']} steps in {fit_s:,.0f} s; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
+    print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
+          f"({after['num_anchors']:,} held-out anchors, block {config.block_size})")
+    print(f"  tau online   {online['acceptance_length']:.3f} over {online['num_prompts']} held-out prompts; "
+          f"lossless: {'yes' if online['lossless'] else 'NO'}")
+    print(f"  speed        {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "
+          f"tok/s plain greedy ({speedup:.2f}x)")
+    print(f"  wall time    {time.monotonic() - started:,.0f} s")
+    if not online["lossless"] or after["acceptance_length"] <= before["acceptance_length"]:
+        sys.exit("demo FAILED: online decoding was not lossless or training did not raise tau")
+
+
+if __name__ == "__main__":
+    main()
