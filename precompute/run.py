@@ -368,7 +368,11 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
                                  num_feature_layers=config.num_feature_layers, top_k=config.top_k,
                                  device=device, dtype=dtype, trust_remote_code=config.trust_remote_code)
         local["spec"] = _build_spec(config, local["target"], world_size)
-        return rank == 0 and _finished_cache(config, local["spec"])
+        if rank != 0:
+            return False
+        if config.overwrite and config.out.exists():  # only once the target and inputs checked out
+            shutil.rmtree(config.out)
+        return _finished_cache(config, local["spec"])
 
     if any(group.step("loading the target", setup)):
         log(f"{config.out} is already complete for this configuration; nothing to do")
@@ -423,8 +427,6 @@ def _check_out_dir(config: PrecomputeConfig) -> None:
     if out.exists() and any(out.iterdir()) and not (
             (out / "manifest.json").exists() or (out / "shards").is_dir()):
         raise ValueError(f"--out {out} exists and is not a dflash cache; choose another directory")
-    if config.overwrite and out.exists():
-        shutil.rmtree(out)
 
 
 def _logger(rank: int, enabled: bool) -> Callable[[str], None]:
@@ -541,6 +543,7 @@ def _compute(config, target, encoder, writer, done, mine, stats) -> None:
             if all(item.key in done for item in members):
                 continue
             if config.regenerate:
+                bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq, generating {len(members)}")
                 members = _regenerate(config, target, encoder, writer, done, members, stats)
                 forward_batches = [[members[i] for i in b] for b in
                                    plan_batches([len(m.encoded.input_ids) for m in members], config.batch_tokens)]

@@ -322,3 +322,10 @@ def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):
     _, ids, logprobs = reference(target.model, sequence, [1], 6)
     np.testing.assert_array_equal(output.topk_ids, ids)
     np.testing.assert_allclose(output.topk_logprobs, logprobs, atol=1e-5)
+
+
+def test_overwrite_keeps_the_old_cache_when_the_target_is_wrong(targets, data, tmp_path):
+    run_precompute(config(targets["qwen3"], data, tmp_path / "cache", limit=2))
+    with pytest.raises(ValueError, match="no such directory"):
+        run_precompute(config(tmp_path / "typo", data, tmp_path / "cache", overwrite=True))
+    assert len(open_cache(tmp_path / "cache")) == 2
