@@ -61,6 +61,13 @@ from dflash.train.config import FitConfig
 config = FitConfig(**json.loads(sys.argv[1]))
 kill_at, mode = int(sys.argv[2]), sys.argv[3]
 if mode == "between-checkpoints":
+    # Finish each checkpoint before the next step, so that the kill surely lands after the
+    # step-3 write (only the timing changes, not a number).
+    save = checkpoint.CheckpointWriter.save
+    def save_and_wait(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        self.wait()
+    checkpoint.CheckpointWriter.save = save_and_wait
     log_step = fit_module.RunLogger.step
     def step(self, record):
         log_step(self, record)

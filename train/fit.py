@@ -1,11 +1,14 @@
 """`dflash-train fit`: the training loop, as one function that reads top to bottom.
 
-Each step: ask the plan for this rank's segments (a pure function of epoch and step), read
-them from the memory-mapped shards, run the drafter over all blocks at once, take the sparse
+Each step: run the drafter over all blocks of this rank's batch at once, take the sparse
 KL (or CE) of the labelled block positions through the frozen LM head without forming
-logits, backpropagate, reduce the figures over ranks, let the spike gate decide, step (or
-skip), log, and every `checkpoint_every` steps hand a host snapshot to the background
-writer. There is nothing running beside the loop except that writer.
+logits, backpropagate; then read the next step's batch (the plan's segments for that step,
+a pure function of epoch and step, copied out of the memory-mapped shards) while the device
+still works through this step's kernels; reduce the figures over ranks, let the spike gate
+decide, step (or skip), log, and every `checkpoint_every` steps hand a host snapshot to the
+background writer. There is nothing running beside the loop except that writer: the
+read-ahead is one batch, done by the loop itself. `data_time_s` is the time a step spent
+reading rows (the next step's; the first step also reads its own).
 
 Distributed: launched by `torchrun`, one process per device; DDP averages gradients. Each
 rank's summed loss is scaled by world_size / (global label weight), so the averaged gradient
@@ -160,17 +163,24 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                     {"gate": gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
                      "config": config.to_dict()})
 
+    def load(at_step: int):
+        """This rank's batch and layout of global step `at_step`, on the device."""
+        epoch_index, step_in_epoch = divmod(at_step, plan.steps_per_epoch)
+        batch = read_batch(corpus, plan.segments(epoch_index, step_in_epoch, rank), stream=epoch_index,
+                           plan_anchors=config.anchors_per_seq, seed=config.seed, block_size=B,
+                           gamma=gamma, mask_token_id=drafter_config.mask_token_id,
+                           pin=device.type == "cuda").to(device)
+        return batch, BlockLayout.build(batch.segments, B, device=device)
+
     # -- the loop ----------------------------------------------------------------------
+    pending = None  # the next step's (batch, layout), read while the device computes
     try:
         while step < total_steps:
             t_start = time.perf_counter()
             epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-            segments = plan.segments(epoch, step_in_epoch, rank)
-            batch = read_batch(corpus, segments, stream=epoch, plan_anchors=config.anchors_per_seq,
-                               seed=config.seed, block_size=B, gamma=gamma,
-                               mask_token_id=drafter_config.mask_token_id,
-                               pin=device.type == "cuda").to(device)
-            layout = BlockLayout.build(batch.segments, B, device=device)
+            if pending is None:
+                pending = load(step)
+            batch, layout = pending
             data_time_s = time.perf_counter() - t_start
             start, stop = plan.step_blocks(step_in_epoch)
             tokens = (stop - start) * B  # global block tokens of this step
@@ -185,6 +195,12 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             rows = hidden[batch.label_rows].to(head.lm_head.dtype)  # [N, H]
             loss_sum, argmax = _loss(rows, head.lm_head, batch, config)
             (loss_sum * (world_size / weight_sum).float()).backward()
+            # Read the next step's rows now: CUDA kernels run asynchronously, so the read
+            # overlaps this step's compute until the first value is needed below (on CPU it is
+            # the same read, only earlier). Still no thread and no queue: one batch ahead.
+            t_read = time.perf_counter()
+            pending = load(step + 1) if step + 1 < total_steps else None
+            data_time_s += time.perf_counter() - t_read
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
 
             hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
