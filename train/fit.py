@@ -113,6 +113,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     total_steps = config.epochs * plan.steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval_every else None
 
     saved_config = run_dir / "config.json"
     if saved_config.exists():
@@ -149,6 +150,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                  total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
                  num_sequences=len(corpus), num_train_sequences=int(plan.train_sequences.shape[0]),
                  num_held_out=int(held_out.sum()), parameters=count_parameters(model),
+                 held_out_blocks=eval_plan.blocks_per_epoch if eval_plan else 0,
                  world_size=world_size, device=str(device), dtype=str(compute_dtype), gamma=gamma,
                  mask_token_id=drafter_config.mask_token_id)
     last_checkpoint = str(resume_from) if resume_from else None
@@ -253,10 +255,10 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                     )
 
             if config.eval_every and (step % config.eval_every == 0 or step == total_steps) \
-                    and held_out.any():
+                    and eval_plan is not None:
                 t_eval = time.perf_counter()
-                result = evaluate_held_out(ddp, head, corpus, held_out, config, drafter_config, gamma,
-                                           world_size, rank, device, compute_dtype)
+                result = evaluate_held_out(ddp, head, corpus, eval_plan, config, drafter_config, gamma,
+                                           rank, device, compute_dtype)
                 logger.event("eval", step=step, duration_s=time.perf_counter() - t_eval, **result)
                 if is_main:
                     print(f"held-out step {step}: loss {result['loss']:.3g} tau {result['tau']:.2f} "
@@ -295,22 +297,33 @@ def _loss(rows: torch.Tensor, head_weight: torch.Tensor, batch, config: FitConfi
                           ce_weight=ce_weight, return_argmax=True)
 
 
+def _held_out_plan(corpus: Corpus, held_out, config: FitConfig, world_size: int) -> DataPlan | None:
+    """The plan over the held-out sequences (None when they hold less than a block per rank)."""
+    if not held_out.any():
+        return None
+    try:
+        return DataPlan(num_eligible=corpus.num_eligible, held_out=~held_out, block_size=config.block_size,
+                        anchors_per_seq=config.anchors_per_seq, tokens_per_step=config.tokens_per_step,
+                        seed=config.seed, world_size=world_size)
+    except ValueError:
+        return None
+
+
 @torch.no_grad()
-def evaluate_held_out(model, head, corpus, held_out, config, drafter_config, gamma, world_size, rank,
-                      device, compute_dtype) -> dict:
-    """Held-out loss, per-position accuracy and teacher-forced acceptance length.
+def evaluate_held_out(model, head, corpus: Corpus, plan: DataPlan, config: FitConfig,
+                      drafter_config: DrafterConfig, gamma: float, rank: int, device: torch.device,
+                      compute_dtype: torch.dtype) -> dict:
+    """Held-out loss, per-position accuracy and teacher-forced acceptance length (collective).
 
     Scores the first `eval_tokens` block tokens of a fixed stream over the held-out
-    sequences (anchors keyed by EVAL_STREAM, the same every time). A block's acceptance is the
-    number of leading positions whose greedy draft equals the target's top-1, stopping at the
-    first unlabelled position; tau = 1 + its mean (the bonus token counts 1). When the cache
-    holds the target's own greedy continuations this is the online greedy acceptance for
-    those anchors.
+    sequences (`plan` over them; anchors keyed by EVAL_STREAM, the same every time). A
+    block's acceptance is the number of leading positions whose greedy draft equals the
+    target's top-1, stopping at the first unlabelled position; tau = 1 + its mean (the bonus
+    token counts 1). When the cache holds the target's own greedy continuations this is the
+    online greedy acceptance for those anchors.
     """
     B = config.block_size
-    plan = DataPlan(num_eligible=corpus.num_eligible, held_out=~held_out, block_size=B,
-                    anchors_per_seq=config.anchors_per_seq, tokens_per_step=config.tokens_per_step,
-                    seed=config.seed, world_size=world_size)
+    world_size = plan.world_size
     steps = min(plan.steps_per_epoch, math.ceil(config.eval_tokens / config.tokens_per_step))
     was_training = model.training
     model.eval()
