@@ -517,3 +517,17 @@ def test_verify_passes_on_a_good_cache(tmp_path):
     write_synthetic_cache(tmp_path, spec, LENGTHS, world_size=2)
     report = verify_cache(tmp_path)
     assert report == {"ok": True, "problems": [], "num_shards": 4, "num_sequences": len(LENGTHS)}
+
+
+def test_shards_imports_no_torch_or_models(tmp_path):
+    spec = make_spec()
+    write(tmp_path, spec, make_rows(spec, lengths=[3]))
+    script = textwrap.dedent(f"""
+        import sys
+        import dflash.shards, dflash.shards.cli, dflash.shards.report
+        cache = dflash.shards.open_cache({str(tmp_path)!r})
+        cache[0], cache.raw(0)
+        heavy = {{"torch", "transformers", "pandas", "pyarrow.compute", "matplotlib"}} & set(sys.modules)
+        assert not heavy, heavy
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
