@@ -1,6 +1,6 @@
 """dflash.shards: the on-disk cache contract between stage one and stage two.
 
-Depends on pyarrow, numpy and zstandard only: no torch, no models. See FORMAT.md.
+Depends on pyarrow and numpy only: no torch, no models. See FORMAT.md.
 """
 
 from dflash.shards.codecs import topk_codec_kl
