@@ -181,15 +181,13 @@ def _child_main(command: str, args: list[str], output: Any, fsize_limit: int | N
 def _install_kill_point(step: int, point: str, fraction: float) -> None:
     """Make this process SIGKILL itself at `point` of the write of checkpoint `step`.
 
-    Points: "model.safetensors" / "optimizer.pt" (the file is written, cut to `fraction`
-    of its size, then the kill: a half-written file), "before-fsync" (all three files
+    Points: "model.safetensors" / "optimizer.pt" (that file is cut to `fraction` of its size,
+    then the kill: a half-written file in the temporary folder), "before-fsync" (every file
     written, none fsynced), "before-rename", "after-rename" (the folder has its final name,
     its parent is not fsynced, old checkpoints not deleted), "deleting-old" (after the first
-    old checkpoint is deleted).
+    old checkpoint is deleted). The hooks sit on the writer's fsync, rename and delete calls;
+    a hook that is never reached shows as "the planned kill did not happen".
     """
-    import safetensors.torch
-    import torch
-
     from dflash.train import checkpoint
 
     tmp_name = f".step-{step:08d}.tmp"
@@ -197,33 +195,14 @@ def _install_kill_point(step: int, point: str, fraction: float) -> None:
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def cut_then_die(path: Any) -> None:
-        os.truncate(path, int(os.path.getsize(path) * fraction))
-        die()
-
-    if point == "model.safetensors":
-        real_save_file = safetensors.torch.save_file
-
-        def save_file(tensors, filename, *args, **kwargs):
-            real_save_file(tensors, filename, *args, **kwargs)
-            if tmp_name in str(filename):
-                cut_then_die(filename)
-
-        safetensors.torch.save_file = save_file
-    elif point == "optimizer.pt":
-        real_torch_save = torch.save
-
-        def torch_save(obj, f, *args, **kwargs):
-            real_torch_save(obj, f, *args, **kwargs)
-            if tmp_name in str(f):
-                cut_then_die(f)
-
-        checkpoint.torch.save = torch_save
-    elif point == "before-fsync":
+    if point in ("model.safetensors", "optimizer.pt", "before-fsync"):
         real_fsync_file = checkpoint._fsync_file
 
         def fsync_file(path):
-            if tmp_name in str(path):
+            if tmp_name in str(path) and point == "before-fsync":
+                die()
+            if tmp_name in str(path) and Path(path).name == point:
+                os.truncate(path, int(os.path.getsize(path) * fraction))
                 die()
             real_fsync_file(path)
 
@@ -713,13 +692,19 @@ KILL_POINTS = ["model.safetensors", "optimizer.pt", "before-fsync", "before-rena
                "deleting-old"]
 
 
-def trial_fit_kill(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
-    """SIGKILL dflash-train fit at a random instant or inside a checkpoint write, resume."""
+def trial_fit_kill(ws: Workspace, rng: np.random.Generator, trial: int,
+                   kill_point: dict | None = None) -> list[Outcome]:
+    """SIGKILL dflash-train fit at a random instant or inside a checkpoint write, resume.
+
+    kill_point ({"step", "point", "fraction"}, see `_install_kill_point`) forces a kill
+    inside that checkpoint write; by default half the trials draw one, half a random instant.
+    """
     reference = ws.fit_reference
     out = ws.trial_dir("fit-kill", trial) / "run"
     every, keep = FIT_OPTIONS["checkpoint_every"], FIT_OPTIONS["keep_checkpoints"]
-    kill_point = None
-    if rng.uniform() < 0.5:
+    if kill_point is not None:
+        outcome = Outcome(case=f"inside checkpoint: {kill_point['point']}")
+    elif rng.uniform() < 0.5:
         delay_s = float(rng.uniform(0.0, reference.train_s))
         outcome = Outcome(case="random instant")
     else:
@@ -880,8 +865,8 @@ def _disk_full_checkpoint(ws: Workspace, rng: np.random.Generator, trial: int) -
 
 # ----------------------------------------------------------------------------- 4. corruption
 
-CORRUPTIONS = ["truncated shard", "bit flips in a shard", "footer damage", "manifest damage",
-               "missing shard", "shard from another cache"]
+CORRUPTIONS = ["truncated shard", "bit flips in a shard", "bit flip in row data", "footer damage",
+               "manifest damage", "missing shard", "shard from another cache"]
 MANIFEST_DAMAGE = ["truncated", "byte flip", "key removed", "checksum changed", "length changed",
                    "shards swapped"]
 
@@ -892,7 +877,8 @@ def trial_corruption(ws: Workspace, rng: np.random.Generator, trial: int) -> lis
     return [_corruption_case(ws, rng, root / f"case{i}", kind) for i, kind in enumerate(CORRUPTIONS)]
 
 
-def _corrupt(cache: Path, foreign: Path, rng: np.random.Generator, kind: str) -> tuple[str, str]:
+def _corrupt(cache: Path, foreign: Path, rng: np.random.Generator, kind: str,
+             manifest_damage: str | None = None) -> tuple[str, str]:
     """Damage `cache` in place; returns (the damaged file's name, a description)."""
     manifest = json.loads((cache / "manifest.json").read_text())
     shard_rel = str(rng.choice([s["path"] for s in manifest["shards"]]))
@@ -915,17 +901,41 @@ def _corrupt(cache: Path, foreign: Path, rng: np.random.Generator, kind: str) ->
             data[int(offset)] ^= 1 << int(rng.integers(0, 8))
         shard.write_bytes(data)
         return shard_rel, f"{shard_rel}: bits flipped at {sorted(int(o) for o in offsets)}"
+    if kind == "bit flip in row data":
+        offset = _prompt_feature_byte(shard, rng)
+        data[offset] ^= 1 << int(rng.integers(0, 8))
+        shard.write_bytes(data)
+        return shard_rel, f"{shard_rel}: a bit flipped in a row's prompt features, byte {offset}"
     if kind == "missing shard":
         shard.unlink()
         return shard_rel, f"{shard_rel} deleted"
     if kind == "shard from another cache":
         shutil.copyfile(foreign / shard_rel, shard)
         return shard_rel, f"{shard_rel} replaced by the other cache's {shard_rel}"
-    return "manifest.json", _damage_manifest(cache / "manifest.json", manifest, rng)
+    how = manifest_damage or str(rng.choice(MANIFEST_DAMAGE))
+    return "manifest.json", _damage_manifest(cache / "manifest.json", manifest, rng, how)
 
 
-def _damage_manifest(path: Path, manifest: dict, rng: np.random.Generator) -> str:
-    how = str(rng.choice(MANIFEST_DAMAGE))
+def _prompt_feature_byte(shard: Path, rng: np.random.Generator) -> int:
+    """File offset of a random byte of a random row's features in the prompt (the first
+    third of the synthetic rows, before the loss mask starts): context every block reads."""
+    import pyarrow as pa
+
+    from dflash.shards import rows
+
+    mapped = pa.memory_map(str(shard), "r")
+    base = mapped.read_buffer(1).address  # the mapping's first byte (zero-copy buffer)
+    mapped.seek(0)
+    reader = pa.ipc.open_file(mapped)
+    batch = reader.get_batch(int(rng.integers(0, reader.num_record_batches)))
+    features = rows.list_values(batch.column("features"))  # [T * L * H] uint16 view of the file
+    num_tokens = batch.column("num_tokens")[0].as_py()
+    per_token = features.size // num_tokens
+    index = int(rng.integers(0, (num_tokens // 3) * per_token))
+    return features.ctypes.data - base + index * features.itemsize + int(rng.integers(0, features.itemsize))
+
+
+def _damage_manifest(path: Path, manifest: dict, rng: np.random.Generator, how: str) -> str:
     text = path.read_bytes()
     if how == "truncated":
         size = int(rng.integers(0, len(text)))
@@ -968,12 +978,13 @@ def _names(text: str, damaged: str, cache: Path) -> bool:
     return name in text or str(cache) in text or (name == "manifest.json" and "manifest" in text)
 
 
-def _corruption_case(ws: Workspace, rng: np.random.Generator, root: Path, kind: str) -> Outcome:
+def _corruption_case(ws: Workspace, rng: np.random.Generator, root: Path, kind: str,
+                     manifest_damage: str | None = None) -> Outcome:
     from dflash.shards import open_cache, verify_cache
 
     cache = root / "cache"
     shutil.copytree(ws.training_cache, cache)
-    damaged, description = _corrupt(cache, ws.foreign_cache, rng, kind)
+    damaged, description = _corrupt(cache, ws.foreign_cache, rng, kind, manifest_damage)
     outcome = Outcome(case=kind, notes=[description])
     try:
         verified = verify_cache(cache)
