@@ -191,9 +191,9 @@ class OfflineTotals:
     num_sequences: int = 0
     num_anchors: int = 0
     accepted_sum: int = 0
-    reached: np.ndarray = None  # [B-1] anchors whose drafts 1..k all matched
-    matched: np.ndarray = None  # [B-1] anchors whose draft k matched
-    scored: np.ndarray = None  # [B-1] anchors where position k is scored
+    reached: np.ndarray = field(init=False)  # [B-1] int64: anchors whose drafts 1..k all matched
+    matched: np.ndarray = field(init=False)  # [B-1] int64: anchors whose draft k matched
+    scored: np.ndarray = field(init=False)  # [B-1] int64: anchors where position k is scored
     replay_taus: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
