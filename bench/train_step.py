@@ -15,7 +15,8 @@ FFN 1536), a 2-layer drafter, block 16. GPU section (when CUDA is available): a
 Qwen3-8B-shaped drafter (5 layers, H 4096, V 151936, 32/8 heads of 128, FFN 12288, block
 16, 5 features) in bf16, with model-FLOPs utilisation against --peak-tflops.
 
-    python bench/train_step.py [--steps 24] [--json] [--cpu-only | --gpu-only]
+    python bench/train_step.py [--steps 24] [--json] [--sections cpu,gpu]
+        [--smollm2-cache CACHE --smollm2-steps 300]   # a real run: does the loss fall?
 """
 
 from __future__ import annotations
@@ -136,6 +137,29 @@ def mfu(config: FitConfig, cache: Path, step_s: float, metrics: list[dict]) -> d
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
 
+def run_smollm2(cache: Path, workdir: Path, steps: int) -> dict:
+    """A short real run on a SmolLM2-135M cache: does the loss fall? First/last metrics lines."""
+    config = FitConfig(cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, block_size=16,
+                       anchors_per_seq=32, tokens_per_step=512, max_steps=steps, epochs=1000,
+                       checkpoint_every=steps, keep_checkpoints=1, eval_every=max(1, steps // 4),
+                       eval_fraction=0.05, device="cpu", wandb=False, log_every=25)
+    fit(config)
+    run_dir = Path(config.out)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    evals = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+             if json.loads(line)["event"] == "eval"]
+    tenth = max(1, len(metrics) // 10)
+    return {
+        "steps": len(metrics),
+        "mean_loss_first_tenth": statistics.mean(m["loss"] for m in metrics[:tenth]),
+        "mean_loss_last_tenth": statistics.mean(m["loss"] for m in metrics[-tenth:]),
+        "held_out": [{"step": e["step"], "loss": e["loss"], "tau": e["tau"]} for e in evals],
+        "first_line": lines[0],
+        "last_line": lines[-1],
+    }
+
+
 def table(results: list[dict]) -> str:
     rows = [
         ("shape", lambda r: f"H {r['hidden_size']} V {r['vocab_size']} L {r['drafter_layers']} layers"),
@@ -167,25 +191,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--cpu-only", action="store_true")
-    parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument("--sections", default="cpu,gpu",
+                        help="synthetic sections to run: cpu, gpu (skipped without CUDA), or none")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the caches and runs here")
+    parser.add_argument("--smollm2-cache", type=Path, default=None,
+                        help="also train on this real SmolLM2-135M cache (from dflash-precompute)")
+    parser.add_argument("--smollm2-steps", type=int, default=300)
     args = parser.parse_args()
     globals()["PEAK_TFLOPS"] = args.peak_tflops
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        if not args.gpu_only:
+        sections = args.sections.split(",")
+        if "cpu" in sections:
             results.append(run("cpu", workdir, args.steps, num_sequences=24, length=512, drafter_layers=2,
-                               anchors_per_seq=32, tokens_per_step=2048, checkpoint_every=6))
-        if not args.cpu_only and torch.cuda.is_available():
+                               anchors_per_seq=32, tokens_per_step=1024, checkpoint_every=6))
+        if "gpu" in sections and torch.cuda.is_available():
             results.append(run("gpu", workdir, args.steps, num_sequences=16, length=2048, drafter_layers=5,
                                anchors_per_seq=512, tokens_per_step=16384, checkpoint_every=8))
-    print(table(results))
+        smollm2 = run_smollm2(args.smollm2_cache, workdir, args.smollm2_steps) if args.smollm2_cache else None
+    if results:
+        print(table(results))
+    if smollm2:
+        print(f"SmolLM2 run, {smollm2['steps']} steps: mean loss first tenth "
+              f"{smollm2['mean_loss_first_tenth']:.3f} -> last tenth {smollm2['mean_loss_last_tenth']:.3f}")
+        for e in smollm2["held_out"]:
+            print(f"  held-out step {e['step']}: loss {e['loss']:.3f} tau {e['tau']:.2f}")
+        print("  first metrics line:", smollm2["first_line"])
+        print("  last metrics line: ", smollm2["last_line"])
     if args.json:
-        print(json.dumps({"results": results}))
+        print(json.dumps({"results": results, "smollm2": smollm2}))
 
 
 if __name__ == "__main__":

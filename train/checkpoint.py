@@ -1,7 +1,7 @@
 """Checkpoints written in the background, atomically, and loaded without unpickling.
 
-`CheckpointWriter.save` copies the model and optimizer state to host memory (reused pinned
-buffers on CUDA: one device-to-host copy, then training continues) and hands the copy to a
+`CheckpointWriter.save` copies the model and optimizer state into host buffers reused from
+save to save (pinned for CUDA: one device-to-host copy, then training continues) and hands the copy to a
 writer thread. The thread writes `RUN/checkpoints/.step-XXXXXXXX.tmp/` (model.safetensors,
 optimizer.pt, state.json), fsyncs every file and the folder, renames it to `step-XXXXXXXX`
 and fsyncs the parent: a crash at any instant leaves either the previous set of complete
@@ -103,14 +103,15 @@ class CheckpointWriter:
     # -- internals -------------------------------------------------------------------
 
     def _to_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy into a host buffer kept across saves (pinned for CUDA sources): the previous
+        write has finished reading it (save() joined it), and reuse skips the page faults of
+        fresh allocations. A copy is needed on CPU too: the optimizer updates in place."""
         tensor = tensor.detach()
-        if tensor.is_cuda:
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                self._buffers[key] = buffer
-            return buffer.copy_(tensor, non_blocking=True)
-        return tensor.clone()  # the optimizer updates parameters in place: copy now
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._buffers[key] = buffer
+        return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
 
     def _snapshot_tree(self, value, key: str):
         if isinstance(value, torch.Tensor):
