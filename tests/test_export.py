@@ -23,6 +23,16 @@ from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, Drafte
 H, V, LAYERS = 32, 50, 3
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run as fast on one intra-op thread, and many threads on oversubscribed
+    cores (parallel test jobs) slow them down several times."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 def make_config(**overrides) -> DrafterConfig:
     values = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 4, 7],
