@@ -113,6 +113,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     total_steps = config.epochs * plan.steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    planned_epochs = math.ceil(total_steps / plan.steps_per_epoch)  # < epochs when max_steps cuts
     eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval_every else None
 
     saved_config = run_dir / "config.json"
@@ -235,7 +236,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             logger.step(record)
             if is_main and (step % config.log_every == 0 or step == total_steps or reason):
                 recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
-                print(console_line(record, epochs=config.epochs, total_steps=total_steps,
+                print(console_line(record, epochs=planned_epochs, total_steps=total_steps,
                                    eta_s=recent * (total_steps - step)), flush=True)
 
             if reason is not None:
