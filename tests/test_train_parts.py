@@ -223,3 +223,27 @@ def test_loss_matches_materialised_reference(kind, seed):
     rows = {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce}[kind]
     torch.testing.assert_close(loss.double(), (batch.weights.double() * rows).sum(), rtol=1e-4, atol=1e-5)
     assert torch.equal(argmax, logp.argmax(1))
+
+
+def test_run_logger_with_wandb_disabled(tmp_path, monkeypatch):
+    """The W&B path runs (WANDB_MODE=disabled, as in CI); files get exactly the step keys."""
+    from dflash.train.logging import STEP_KEYS, RunLogger
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    logger = RunLogger(tmp_path, enabled=True, wandb_config={"lr": 1.0})
+    record = dict.fromkeys(STEP_KEYS, 0.0) | {"step": 1, "accuracy": [0.5, None], "skipped": False}
+    logger.step(record)
+    logger.event("checkpoint", step=1, write_s=0.5, path="x")
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record
+    assert json.loads((tmp_path / "events.jsonl").read_text())["write_s"] == 0.5
+
+
+def test_resumed_logger_drops_steps_past_the_checkpoint(tmp_path):
+    from dflash.train.logging import RunLogger
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8))
+                                            + '{"step": 8, "los')  # torn by the crash
+    RunLogger(tmp_path, enabled=True, resume_step=5).close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5]
