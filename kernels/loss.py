@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .reference import chunked_lse_gather, default_workspace_bytes, naive_lse_gather, row_losses
+from .reference import (
+    chunked_lse_gather,
+    default_workspace_bytes,
+    naive_lse_gather,
+    row_losses,
+    teacher_logprobs,
+    teacher_tail,
+)
 
 IMPLS = ("auto", "triton", "torch", "naive")
 TAILS = ("bucket", "renorm")
@@ -73,26 +80,11 @@ def sparse_kl_loss(
         ids = torch.cat([ids, ce_targets.long()[:, None]], 1)  # [N, k + 1]
     # lse reaches the loss through the tail bucket and the CE term; renorm alone needs only
     # the logits at the ids, so the whole vocabulary pass is skipped unless argmax is wanted.
-    need_lse = tail == "bucket" or use_ce
-    if impl == "naive":
-        lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
-    elif impl == "torch":
-        lse, z_sel, argmax = chunked_lse_gather(
-            hidden, weight, ids, vocab_pass=need_lse or return_argmax, dense_grad=need_lse,
-            workspace_bytes=workspace_bytes,
-        )
-    else:
-        try:
-            from . import sparse_kl
-        except ImportError as err:
-            raise RuntimeError(
-                "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
-                "use impl='torch' on this machine"
-            ) from err
-        lse, z_sel, argmax = sparse_kl.triton_lse_gather(
-            hidden, weight, ids, vocab_pass=need_lse or return_argmax, workspace_bytes=workspace_bytes,
-            config=triton_config,
-        )
+    # With no vocabulary pass there is nothing for a Triton kernel to do: the torch path's
+    # N*k'*H gather is the whole computation, whatever impl was asked for.
+    vocab_pass = tail == "bucket" or use_ce or return_argmax
+    if impl == "triton" and not vocab_pass:
+        impl = "torch"
 
     n = hidden.shape[0]
     w = torch.ones(n, dtype=torch.float32, device=hidden.device) if weights is None else weights.float()
@@ -103,7 +95,29 @@ def sparse_kl_loss(
     topk_logprobs = torch.where(live[:, None], topk_logprobs.float(), -torch.inf)
     if tail_mass is not None:
         tail_mass = torch.where(live, tail_mass.float(), 1.0)
-    rows = row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass)
+
+    if impl == "triton":
+        try:
+            from . import sparse_kl
+        except ImportError as err:
+            raise RuntimeError(
+                "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
+                "use impl='torch' on this machine"
+            ) from err
+        lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+        rows, argmax = sparse_kl.triton_sparse_kl_rows(
+            hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
+            workspace_bytes=workspace_bytes, config=triton_config,
+        )
+    else:
+        if impl == "naive":
+            lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
+        else:
+            lse, z_sel, argmax = chunked_lse_gather(
+                hidden, weight, ids, vocab_pass=vocab_pass, dense_grad=tail == "bucket" or use_ce,
+                workspace_bytes=workspace_bytes,
+            )
+        rows = row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass)
     rows = torch.where(live, w * rows, 0.0)  # [N] fp32
     if reduction == "none":
         loss = rows

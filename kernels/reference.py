@@ -66,6 +66,19 @@ def default_workspace_bytes(device: torch.device) -> int:
     return _DEFAULT_WORKSPACE_BYTES_CUDA if device.type == "cuda" else _DEFAULT_WORKSPACE_BYTES_CPU
 
 
+def teacher_logprobs(topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """[N, k] fp32 teacher log-probs, floored at LOGPROB_FLOOR (-inf becomes a zero probability)."""
+    return topk_logprobs.float().clamp(min=LOGPROB_FLOOR)
+
+
+def teacher_tail(lq: torch.Tensor, tail_mass: torch.Tensor | None) -> torch.Tensor:
+    """[N] fp32 teacher tail mass: the given one clamped at 0, or max(0, 1 - sum exp(lq))."""
+    if tail_mass is not None:
+        return tail_mass.float().clamp(min=0.0)
+    # fp64: 1 - sum q cancels when the tail is near 0; [N, k] so the cost is nil.
+    return (1.0 - lq.double().exp().sum(1)).clamp(min=0.0).float()
+
+
 def row_losses(
     lse: torch.Tensor,  # [N] fp32: log-sum-exp of the student's logits
     z_sel: torch.Tensor,  # [N, k (+1)] fp32: student logits at the teacher ids (then the CE target)
@@ -77,15 +90,11 @@ def row_losses(
 ) -> torch.Tensor:
     """Per-row loss [N] fp32 from the vocabulary pass's small outputs (see module docstring)."""
     k = topk_logprobs.shape[1]
-    lq = topk_logprobs.float().clamp(min=LOGPROB_FLOOR)  # [N, k]
+    lq = teacher_logprobs(topk_logprobs)  # [N, k]
     z_s = z_sel[:, :k]  # [N, k]
     if tail == "bucket":
         q = lq.exp()  # [N, k]
-        if tail_mass is None:
-            # fp64: 1 - sum q cancels when the tail is near 0; [N, k] so the cost is nil.
-            q_tail = (1.0 - lq.double().exp().sum(1)).clamp(min=0.0).float()  # [N]
-        else:
-            q_tail = tail_mass.float().clamp(min=0.0)
+        q_tail = teacher_tail(lq, tail_mass)  # [N]
         lp = z_s - lse[:, None]  # [N, k] student log-probs at S
         student_tail = (1.0 - lp.exp().sum(1)).clamp(min=TAIL_EPS)  # [N]
         row = (q * (lq - lp)).sum(1) + torch.special.xlogy(q_tail, q_tail) - q_tail * student_tail.log()
@@ -117,15 +126,16 @@ def naive_lse_gather(
 _CUDA_MM_OUT_DTYPE: bool | None = None  # whether torch.mm(..., out_dtype=) works on CUDA
 
 
-def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with fp32 accumulation and an fp32 result, never rounding the product.
+def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with fp32 accumulation and an fp32 result (into `out` when given), never
+    rounding the product.
 
     On CUDA low-precision inputs use tensor cores with an fp32 output (torch >= 2.8);
     elsewhere the operands are upcast (CPU has no bf16 x bf16 -> fp32 matmul).
     """
     global _CUDA_MM_OUT_DTYPE
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return a @ b
+        return torch.mm(a, b, out=out)
     if a.is_cuda and a.dtype == b.dtype:
         if _CUDA_MM_OUT_DTYPE is None:
             try:
@@ -134,8 +144,8 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             except (TypeError, RuntimeError):
                 _CUDA_MM_OUT_DTYPE = False
         if _CUDA_MM_OUT_DTYPE:
-            return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def slot_gradients(

@@ -1,48 +1,79 @@
-"""Triton vocabulary pass of `sparse_kl_loss`: logits never exist in the forward.
+"""Triton path of `sparse_kl_loss`: cuBLAS logits per row chunk, one fused Triton kernel
+per chunk for the loss and its logit gradient, cuBLAS for dX; 4*N*H*V flops for a frozen head.
 
-What it computes (see `reference.py` for the loss and the gradient split): for hidden X
-[N, H] and head W [V, H], the row log-sum-exp `lse` [N] and argmax [N] of z = X W^T, and the
-logits at a few ids `z_sel` [N, k'] (the teacher's top-k, then the CE target); backward maps
-(d_lse, d_zsel) to dX = dZ W and, only when W requires grad, dW = dZ^T X, with
-dZ = d_lse * softmax(z) + the exact fp32 values at the ids (`reference.slot_gradients`).
+The loss (`reference.py` has it in PyTorch): the student p = softmax(z), z = X W^T ([N, V]),
+against the teacher's top-k log-probs lq at ids S (k' = k slots, plus the CE target as one
+more slot when ce_weight != 0):
 
-Kernels:
+    bucket:  row = sum_S q (lq - lp_S) + q_t log q_t - q_t log(1 - P_S)
+             lp = z - lse(z), P_S = sum_S exp(lp_S), q_t the teacher's tail mass
+    renorm:  row = KL(q_hat || p_hat), both renormalised over S
+    CE:      row += ce_weight * (lse(z) - z_target)
 
-- `_lse_argmax_kernel`, one program per (row tile of BLOCK_N, vocabulary split): walks its
-  split in [BLOCK_N, BLOCK_V] tiles, each a `tl.dot` of a [BLOCK_N, BLOCK_H] hidden tile with
-  a [BLOCK_V, BLOCK_H] head tile accumulated over H in fp32, and keeps an online max, sum of
-  exp and first argmax per row. The splits' partials (max, sum, arg) [N, S] are merged in
-  PyTorch: no atomics, no locks, the same result on every run. Split is the fastest-varying
-  program index, so the programs running together cover a few row tiles times all splits
-  and reuse both the hidden and the head tiles from L2.
-- `_gather_dot_kernel`: z_sel[n, i] = X[n] . W[ids[n, i]] in fp32 (N*k'*H work).
-- `_dense_grad_kernel` (backward): recomputes a logits tile exactly as the forward does and
-  writes d_lse * exp(z - lse) in W's dtype into a [C, V] workspace for a chunk of C rows;
-  the ids' exact fp32 values are then scattered into it, and cuBLAS forms dX = ws @ W (and
-  dW += ws^T X). That dense gradient is all of one sign per row, so rounding it to bf16
-  loses nothing that cancels; p - q is formed in fp32 before its single rounding.
+Its gradient in the logits is one dense term plus k' sparse ones:
 
-Bounded workspace (the only memory beyond inputs, outputs and [N]-sized vectors):
-forward 3 * N * S * 4 bytes of split partials (S <= 64) and z_sel N * k' * 4 bytes;
-backward one [C, V] buffer in W's dtype, C = workspace_bytes // (V * itemsize) rows
-(default 2 GiB on CUDA, i.e. 7064 rows at V = 151936 in bf16), the slot tensors of
-`slot_gradients` (N * k'^2 * 5 bytes: 89 MB at N = 16384, k' = 33), and dW's fp32 [V, H]
-accumulator when W requires grad. Nothing is ever [N, V].
+    G_j = d_lse * p_j + sum_{slots i with id_i = j} d_slot_i
+    bucket:  a = q_t / (1 - P_S) (0 where 1 - P_S is clamped at TAIL_EPS),
+             d_lse = Q - a P_S (Q = sum_S q), d_slot_i = a p_i - q_i
+    renorm:  d_lse = 0, d_slot_i = p_hat_i * sum q_hat - q_hat_i
+    CE:      d_lse += ce_weight, d_slot_target = -ce_weight
 
-Cost: the forward is 2NHV flops; the backward recomputes the logits (2NHV) and multiplies
-by W (2NHV), so a frozen head costs 6NHV in all, against 4NHV for a path that keeps its
-logits (or the torch path, which forms dX's dense part while each chunk's logits are at
-hand). Measured as 4NHV per unit time the ceiling of this design is about 2/3 of the bf16
-matmul rate; its gain is memory. dW adds 2NHV through cuBLAS.
+which is the form in ../shared/ANCHORS.md (p_j - q_j at the ids when Q + q_t = 1).
 
-Precision: on GPU the tiles are multiplied as bf16 by `tl.dot` with fp32 accumulation
-(bf16 products are exact in fp32, so only the summation order differs from an fp32
-GEMM); exp, log-sum-exp and every p - q stay in fp32. fp32 inputs use IEEE fp32 dots
-unless torch.backends.cuda.matmul.allow_tf32 is set, matching torch's own matmul. Under
-TRITON_INTERPRET=1 (CPU tests) `tl.dot` on bf16 is silently wrong (triton-lang/triton
-11584), so a constexpr CAST_DOT, set by the launcher when the kernels are interpreted,
-upcasts both tiles to fp32 first: the interpreter then checks the same math with fp32
-products, not the bf16 tensor-core instruction itself, which only the GPU check covers.
+How (one chunk of C rows at a time, C = workspace_bytes // (4 V), balanced over N):
+
+1. cuBLAS: z_c = X_c W^T into the fp32 [C, V] workspace (bf16 operands, fp32 accumulation
+   and fp32 output). Not a bf16 output: rounding logits to bf16 before the exp is the trap
+   of Liger 1432 (4-23% gradient error): at |z| ~ 20 a bf16 logit is off by up to 0.04,
+   so p by 4%, while the fp32 store costs 2 more bytes per logit (below).
+2. `_chunk_rows_kernel`, one program per row, all in fp32: sweep 1 over the row's vocabulary
+   tiles keeps an online max, sum of exp and first argmax; then the k' slot logits are
+   gathered from the row, and the row loss, d_lse and d_slot computed as above; sweep 2
+   writes G = d_lse * exp(z - lse) over the row in W's dtype, in place (the bf16 row
+   occupies the first half of its own fp32 bytes), and finally the k' exact values at the
+   ids: each slot's total sum_{same id} d_slot + d_lse p_i, formed in fp32 and rounded once,
+   so the p_j - q_j cancellation happens before any rounding (Liger 1329). The dense part
+   is all of one sign per row: rounding it to bf16 is a 2^-9 relative error, no cancellation.
+3. cuBLAS: dX_c = G_c W, fp32 out, kept [N, H] fp32 until the backward.
+
+The loss is a sum of rows, so d loss / d X_n = d_row_n * dX_n exactly: the backward only
+multiplies the stored dX by the upstream gradient of each row (a scalar times w_n / sum w
+for reduction="mean", per row for "none") and casts to X's dtype. Nothing is ever [N, V].
+
+Modes (chosen per call):
+- hidden needs grad, weight frozen (DFlash): the above, 4NHV flops. tail="renorm" without
+  CE has no dense term: the kernel writes no G and dX is the N*k'*H sparse sum instead.
+- forward only (torch.no_grad(), or nothing needs grad): sweep 1, gather, loss; no G, no
+  dX: 2NHV flops.
+- weight needs grad: the forward is forward-only; the backward recomputes each chunk with
+  G scaled by d_row (it is not known before) and forms dX_c = G_c W and dW += G_c^T X_c:
+  8NHV flops, dW accumulated in fp32 over chunks in a fixed order.
+
+Memory traffic per logit (bf16 inputs; fp32 adds 4 bytes for G written and read): the
+logits GEMM writes 4 bytes, sweep 1 reads 4, sweep 2 reads 4 and writes 2, the dX GEMM
+reads 2 (at least once; its re-reads of G tiles mostly hit L2): 16 bytes. At
+(N, H, V) = (16384, 4096, 151936) that is 2.49e9 logits x 16 B = 40 GB, about 8-10 ms at
+4-4.8 TB/s, beside 4NHV = 40.8 TFLOP of GEMM, ~52 ms at ~790 TFLOP/s: the expected ceiling
+is ~0.84 of the bf16 matmul rate (counted as 4NHV), ~0.80 if the kernel reaches only 3 TB/s.
+A row is V * 4 = 608 KB, so with hundreds of rows in flight sweep 2 re-reads from HBM, not
+L2; a single sweep would need the final lse before writing G.
+
+Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 2 GiB by
+default on CUDA: C = 3532 at V = 151936, i.e. 5 chunks of 3277 rows at N = 16384), dX [N, H]
+fp32 (256 MiB at N = 16384, H = 4096), per-slot coefficients [N, k'] fp32, and dW's fp32
+[V, H] accumulator plus one [V, H] fp32 product per chunk when W requires grad.
+
+Races and determinism: one program per row, no atomics; the result is the same on every
+run (cuBLAS is deterministic for a fixed shape and stream). Sweep 2 stores a bf16 tile over
+bytes that earlier tiles (and, for tile 0, this one) were read from by other warps, so a
+`tl.debug_barrier()` separates each tile's loads from its stores, and another orders the
+dense stores before the stores at the ids. Stores only ever land below the next tile's
+bytes, so loads hoisted by software pipelining stay safe.
+
+Under TRITON_INTERPRET=1 (CPU tests) the kernel runs on CPU tensors with the GEMMs in fp32
+on the CPU. The interpreter's fp32 -> bf16 cast truncates (triton 3.9: half the values one
+ulp off), so there G is rounded to nearest even with integer ops (`ROUND_BY_BITS`), which is
+what the GPU's cvt.rn.bf16.f32 does; the in-place bf16-over-fp32 layout is the same.
 """
 
 from __future__ import annotations
@@ -54,335 +85,300 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .reference import matmul_f32, slot_gradients, sparse_rows_f32
+from .reference import TAIL_EPS, matmul_f32, sparse_rows_f32
 
 
 @triton.jit
-def _logits_tile(
-    x_ptr,  # [*, H] bf16/fp32: hidden rows
-    w_ptr,  # [V, H] same dtype: head rows
-    rows,  # [BLOCK_N] int32 row indices
-    cols,  # [BLOCK_V] int32 vocabulary indices
-    row_ok,  # [BLOCK_N] bool
-    col_ok,  # [BLOCK_V] bool
-    H,
-    stride_x,
-    stride_w,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """[BLOCK_N, BLOCK_V] fp32 logits tile, accumulated over H in BLOCK_H steps."""
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hs < H
-        x = tl.load(x_rows + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_H]
-        w = tl.load(w_rows + hs[None, :], mask=col_ok[:, None] & h_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_H]
-        if CAST_DOT:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return acc
+def _to_storage(x, G_DTYPE: tl.constexpr, ROUND_BY_BITS: tl.constexpr):
+    """fp32 -> G_DTYPE, round to nearest even (by integer ops when ROUND_BY_BITS: bf16 only)."""
+    if ROUND_BY_BITS:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(G_DTYPE)
+    return out
 
 
 @triton.jit
-def _lse_argmax_kernel(
-    x_ptr,  # [N, H] bf16/fp32
-    w_ptr,  # [V, H] same dtype
-    max_ptr,  # [N, S] fp32 out: the row's max logit within the split
-    sum_ptr,  # [N, S] fp32 out: sum over the split of exp(z - max)
-    arg_ptr,  # [N, S] int32 out: first vocabulary index reaching the max
-    N,
+def _chunk_rows_kernel(
+    z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
+    ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
+    lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
+    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET)
+    scale_ptr,  # [C] fp32: factor on G (read when HAS_SCALE)
+    row_ptr,  # [C] fp32 out: the row loss
+    arg_ptr,  # [C] int64 out: first index of the row's max logit
+    coef_ptr,  # [C, K] fp32 out: the logit gradient at each slot's id, 0 at a repeated id's later slots
     V,
-    H,
-    num_splits,
-    v_per_split,  # a multiple of BLOCK_V
-    stride_x,
-    stride_w,
-    BLOCK_N: tl.constexpr,
+    K,
+    KT,
+    stride_z,  # in fp32 elements
+    stride_g,  # in G_DTYPE elements: stride_z * 4 / sizeof(G_DTYPE)
+    ce_weight,
+    tail_eps,
+    TAIL_BUCKET: tl.constexpr,
+    USE_CE: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ROUND_BY_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = pid % num_splits
-    rows = (pid // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    v_begin = split * v_per_split
-    v_end = tl.minimum(v_begin + v_per_split, V)
-    run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    run_arg = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for v0 in range(v_begin, v_end, BLOCK_V):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    g_row = z_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True) + row * stride_g
+
+    # Sweep 1: online max, sum of exp and first argmax over the row.
+    run_max = float("-inf")
+    run_sum = 0.0
+    run_arg = 0
+    for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
-                         BLOCK_N, BLOCK_V, BLOCK_H, CAST_DOT, DOT_PRECISION)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        tile_max, tile_arg = tl.max(z, 1, return_indices=True, return_indices_tie_break_left=True)
+        z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+        tile_max, tile_arg = tl.max(z, 0, return_indices=True, return_indices_tie_break_left=True)
         new_max = tl.maximum(run_max, tile_max)
-        # Every tile holds at least one real column, so new_max is finite and the first
-        # rescale is exp(-inf) = 0.
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), 1)
+        # Every tile holds a real column, so new_max is finite and the first rescale is 0.
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), 0)
         # Strictly greater: on a tie the earlier tile (smaller index) keeps the argmax.
         run_arg = tl.where(tile_max > run_max, v0 + tile_arg, run_arg)
         run_max = new_max
-    out = rows.to(tl.int64) * num_splits + split
-    tl.store(max_ptr + out, run_max, mask=row_ok)
-    tl.store(sum_ptr + out, run_sum, mask=row_ok)
-    tl.store(arg_ptr + out, run_arg, mask=row_ok)
+    lse = run_max + tl.log(run_sum)
 
+    # The slots: logits at the ids, the row loss and its gradient in (lse, slot logits).
+    slots = tl.arange(0, K_PAD)
+    valid = slots < K
+    teacher = slots < KT
+    ids = tl.load(ids_ptr + row * K + slots, mask=valid, other=0)  # [K_PAD] int64
+    zs = tl.load(z_row + ids, mask=valid, other=0.0)  # [K_PAD] fp32
+    lq = tl.load(lq_ptr + row * KT + slots, mask=teacher, other=0.0)  # [K_PAD] fp32
+    p = tl.where(valid, tl.exp(zs - lse), 0.0)  # student probabilities at the ids
+    if TAIL_BUCKET:
+        q = tl.where(teacher, tl.exp(lq), 0.0)
+        q_t = tl.load(qtail_ptr + row)
+        p_s = tl.sum(tl.where(teacher, p, 0.0), 0)
+        tail_raw = 1.0 - p_s
+        tail_s = tl.maximum(tail_raw, tail_eps)
+        # Clamped: the tail term's gradient is dropped, as torch.clamp's backward does.
+        a = tl.where(tail_raw >= tail_eps, q_t / tail_s, 0.0)
+        xlogx = tl.where(q_t > 0.0, q_t * tl.log(tl.maximum(q_t, 1e-30)), 0.0)
+        loss = tl.sum(tl.where(teacher, q * (lq - (zs - lse)), 0.0), 0) + xlogx - q_t * tl.log(tail_s)
+        d_lse = tl.sum(q, 0) - a * p_s
+        d_slot = tl.where(teacher, a * p - q, 0.0)
+    else:
+        lq_m = tl.where(teacher, lq, float("-inf"))
+        lq_max = tl.max(lq_m, 0)
+        lq_hat = lq - (lq_max + tl.log(tl.sum(tl.exp(lq_m - lq_max), 0)))
+        q_hat = tl.where(teacher, tl.exp(lq_hat), 0.0)
+        zs_m = tl.where(teacher, zs, float("-inf"))
+        zs_max = tl.max(zs_m, 0)
+        ls = zs - (zs_max + tl.log(tl.sum(tl.exp(zs_m - zs_max), 0)))
+        p_hat = tl.where(teacher, tl.exp(ls), 0.0)
+        loss = tl.sum(tl.where(teacher, q_hat * (lq_hat - ls), 0.0), 0)
+        d_lse = 0.0
+        d_slot = tl.where(teacher, p_hat * tl.sum(q_hat, 0) - q_hat, 0.0)
+    if USE_CE:
+        is_ce = slots == KT
+        loss += ce_weight * (lse - tl.sum(tl.where(is_ce, zs, 0.0), 0))
+        d_lse += ce_weight
+        d_slot = tl.where(is_ce, -ce_weight, d_slot)
+    # Slots sharing an id (the CE target among the teacher's ids) carry the same, complete
+    # gradient of that id, so the scatter below writes equal values whatever the order.
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]  # [K_PAD, K_PAD]
+    total = tl.sum(tl.where(same, d_slot[None, :], 0.0), 1) + d_lse * p  # [K_PAD] fp32
+    repeats = tl.sum((same & (slots[None, :] < slots[:, None])).to(tl.int32), 1)
+    tl.store(coef_ptr + row * K + slots, tl.where(repeats == 0, total, 0.0), mask=valid)
+    tl.store(row_ptr + row, loss)
+    tl.store(arg_ptr + row, run_arg)
 
-@triton.jit
-def _gather_dot_kernel(
-    x_ptr,  # [N, H] bf16/fp32
-    w_ptr,  # [V, H] same dtype
-    ids_ptr,  # [N, K] int64
-    out_ptr,  # [N, K] fp32 out: x[n] . w[ids[n, i]]
-    N,
-    H,
-    K,
-    stride_x,
-    stride_w,
-    BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows64 = rows.to(tl.int64)
-    x_rows = x_ptr + rows64[:, None] * stride_x
-    for i in range(0, K):
-        ids = tl.load(ids_ptr + rows64 * K + i, mask=row_ok, other=0)  # [BLOCK_N] int64
-        w_rows = w_ptr + ids[:, None] * stride_w
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            hs = h0 + tl.arange(0, BLOCK_H)
-            mask = row_ok[:, None] & (hs < H)[None, :]
-            x = tl.load(x_rows + hs[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H]
-            w = tl.load(w_rows + hs[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H]
-            acc += tl.sum(x * w, 1)
-        tl.store(out_ptr + rows64 * K + i, acc, mask=row_ok)
-
-
-@triton.jit
-def _dense_grad_kernel(
-    x_ptr,  # [C, H] bf16/fp32: this chunk's hidden rows
-    w_ptr,  # [V, H] same dtype
-    lse_ptr,  # [C] fp32
-    dlse_ptr,  # [C] fp32: upstream gradient of lse
-    ws_ptr,  # [C, V] W's dtype out: d_lse * softmax(z)
-    C,
-    V,
-    H,
-    stride_x,
-    stride_w,
-    stride_ws,
-    GROUP_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # Grouped order: GROUP_N row tiles sweep the vocabulary together, so a head tile is
-    # read once from memory for GROUP_N programs and the hidden tiles stay in L2.
-    pid = tl.program_id(0)
-    num_row_tiles = tl.cdiv(C, BLOCK_N)
-    num_col_tiles = tl.cdiv(V, BLOCK_V)
-    tiles_per_group = GROUP_N * num_col_tiles
-    first_row_tile = (pid // tiles_per_group) * GROUP_N
-    group_rows = tl.minimum(num_row_tiles - first_row_tile, GROUP_N)
-    row_tile = first_row_tile + (pid % tiles_per_group) % group_rows
-    col_tile = (pid % tiles_per_group) // group_rows
-    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = col_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = rows < C
-    col_ok = cols < V
-    z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
-                     BLOCK_N, BLOCK_V, BLOCK_H, CAST_DOT, DOT_PRECISION)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    d_lse = tl.load(dlse_ptr + rows, mask=row_ok, other=0.0)
-    grad = tl.exp(z - lse[:, None]) * d_lse[:, None]  # fp32
-    out = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
-    tl.store(out, grad.to(ws_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if WRITE_G:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + row)
+        else:
+            scale = 1.0
+        dense = d_lse * scale
+        # Sweep 2: the dense gradient over the row, in place.
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z = tl.load(z_row + cols, mask=cols < V, other=0.0)
+            g = _to_storage(tl.exp(z - lse) * dense, G_DTYPE, ROUND_BY_BITS)
+            tl.debug_barrier()  # this tile's stores overwrite bytes other warps read
+            tl.store(g_row + cols, g, mask=cols < V)
+        tl.debug_barrier()  # the dense stores land before the exact values at the ids
+        tl.store(g_row + ids, _to_storage(total * scale, G_DTYPE, ROUND_BY_BITS), mask=valid)
 
 
 # Decided by triton.jit when this module was imported: an interpreted kernel is not a
-# JITFunction. Interpreted kernels run on CPU tensors and need bf16 tiles cast for tl.dot.
-INTERPRETED = not isinstance(_lse_argmax_kernel, JITFunction)
+# JITFunction. Interpreted kernels run on CPU tensors.
+INTERPRETED = not isinstance(_chunk_rows_kernel, JITFunction)
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(kw_only=True)
 class TritonConfig:
-    """Tile sizes and launch options of the Triton path (None fields: chosen per device)."""
+    """Launch options of the Triton row kernel (the GEMMs are cuBLAS's)."""
 
-    block_n: int = 128
-    """Rows per logits tile (power of two, >= 16: the tl.dot minimum)."""
-    block_v: int = 128
-    """Vocabulary entries per logits tile (power of two, >= 16)."""
-    block_h: int = 64
-    """Hidden-size step of the tile's dot (power of two, >= 16)."""
-    num_splits: int | None = None
-    """Vocabulary splits of the forward; None = enough programs to fill the GPU twice over."""
-    group_n: int = 8
-    """Row tiles sweeping the vocabulary together in the backward (L2 reuse)."""
-    gather_block_n: int = 32
-    """Rows per program of the id gather (power of two)."""
-    gather_block_h: int = 128
-    """Hidden-size step of the id gather (power of two)."""
+    block_v: int = 4096
+    """Vocabulary entries per tile of a row's sweeps (power of two >= 16)."""
     num_warps: int = 8
-    """Warps per program of the tile kernels (ignored by the interpreter)."""
-    num_stages: int = 3
-    """Software-pipelining stages of the tile kernels (ignored by the interpreter)."""
+    """Warps per program, i.e. per row (power of two; ignored by the interpreter)."""
 
     def __post_init__(self):
-        for name in ("block_n", "block_v", "block_h"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"TritonConfig.{name}={value}: use a power of two >= 16 (tl.dot tiles)")
-        for name in ("gather_block_n", "gather_block_h", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"TritonConfig.{name}={value}: use a power of two")
-        if self.num_splits is not None and not 1 <= self.num_splits <= 64:
-            raise ValueError(f"TritonConfig.num_splits={self.num_splits}: use 1..64 or None")
-        if self.group_n < 1 or self.num_stages < 1:
-            raise ValueError("TritonConfig.group_n and num_stages must be >= 1")
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"TritonConfig.block_v={self.block_v}: use a power of two >= 16")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"TritonConfig.num_warps={self.num_warps}: use a power of two")
 
 
-# Under the interpreter every program runs in turn on the CPU: few, small-ish tiles.
-_INTERPRETER_CONFIG = TritonConfig(block_n=32, block_v=128, block_h=32, num_splits=1, gather_block_n=32,
-                                   gather_block_h=64)
+# Under the interpreter every program runs in turn on the CPU: small tiles, few programs.
+_INTERPRETER_CONFIG = TritonConfig(block_v=256, num_warps=1)
 
 
-def _num_splits(config: TritonConfig, n: int, v: int, device: torch.device) -> tuple[int, int]:
-    """(splits, v_per_split): no empty split, v_per_split a multiple of block_v."""
-    max_splits = triton.cdiv(v, config.block_v)
-    if config.num_splits is not None:
-        wanted = config.num_splits
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        # At least 8 splits: the programs in flight then span few row tiles (see module doc).
-        wanted = max(8, triton.cdiv(2 * sms, triton.cdiv(n, config.block_n)))
-    v_per_split = triton.cdiv(triton.cdiv(v, min(wanted, max_splits, 64)), config.block_v) * config.block_v
-    return triton.cdiv(v, v_per_split), v_per_split
+def _chunk_rows(n: int, v: int, workspace_bytes: int) -> int:
+    """Rows per chunk: the most the fp32 [C, V] workspace holds, balanced so that the last
+    chunk is not a sliver (each chunk is a GEMM that should fill the GPU)."""
+    most = max(1, workspace_bytes // (4 * v))
+    return triton.cdiv(n, triton.cdiv(n, most)) if n else 1
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: IEEE for fp32 unless torch allows tf32 matmuls; for bf16 it
-    has no effect, and "tf32" is Triton's own default there."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+def _weight_for_matmul(weight: torch.Tensor) -> torch.Tensor:
+    """W as the GEMMs take it: itself on CUDA or in fp32; upcast once on CPU, which has no
+    bf16 x bf16 -> fp32 matmul (the interpreter tests only)."""
+    return weight if weight.is_cuda or weight.dtype == torch.float32 else weight.float()
 
 
-class _TritonLseGather(torch.autograd.Function):
+class _TritonSparseKL(torch.autograd.Function):
+    """Rows of the loss [N] fp32 and the argmax [N] int64; see the module docstring."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, ids, vocab_pass, config, workspace_bytes):
-        # hidden [N, H], weight [V, H] (same dtype, contiguous), ids [N, k'] int64 contiguous
+    def forward(ctx, hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config, grad_x, grad_w):
+        # hidden [N, H], weight [V, H] (same dtype, contiguous), ids [N, k'] int64, lq [N, k]
+        # fp32 floored, q_tail [N] fp32; grad_x / grad_w: whether X / W need a gradient.
         n, h = hidden.shape
         v = weight.shape[0]
-        k = ids.shape[1]
         dev = hidden.device
         ctx.set_materialize_grads(False)
-        z_sel = torch.empty(n, k, dtype=torch.float32, device=dev)  # [N, k']
-        _gather_dot_kernel[(triton.cdiv(n, config.gather_block_n),)](
-            hidden, weight, ids, z_sel, n, h, k, hidden.stride(0), weight.stride(0),
-            BLOCK_N=config.gather_block_n, BLOCK_H=config.gather_block_h,
-        )
-        if vocab_pass:
-            splits, v_per_split = _num_splits(config, n, v, dev)
-            run_max = torch.empty(n, splits, dtype=torch.float32, device=dev)  # [N, S]
-            run_sum = torch.empty(n, splits, dtype=torch.float32, device=dev)  # [N, S]
-            run_arg = torch.empty(n, splits, dtype=torch.int32, device=dev)  # [N, S]
-            _lse_argmax_kernel[(triton.cdiv(n, config.block_n) * splits,)](
-                hidden, weight, run_max, run_sum, run_arg, n, v, h, splits, v_per_split,
-                hidden.stride(0), weight.stride(0),
-                BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_H=config.block_h,
-                CAST_DOT=INTERPRETED, DOT_PRECISION=_dot_precision(hidden.dtype),
-                num_warps=config.num_warps, num_stages=config.num_stages,
-            )
-            row_max, best_split = run_max.max(1)  # first split among ties: the smallest index
-            lse = row_max + (run_sum * (run_max - row_max[:, None]).exp()).sum(1).log()  # [N] fp32
-            argmax = run_arg.gather(1, best_split[:, None]).squeeze(1).long()  # [N] int64
-        else:
-            lse = torch.zeros(n, dtype=torch.float32, device=dev)
-            argmax = torch.zeros(n, dtype=torch.int64, device=dev)
-        ctx.config = config
-        ctx.workspace_bytes = workspace_bytes
-        ctx.save_for_backward(hidden, weight, ids, lse, z_sel)
+        dense = tail == "bucket" or ce_weight != 0.0
+        store_dx = grad_x and not grad_w
+        rows = torch.empty(n, dtype=torch.float32, device=dev)  # [N]
+        argmax = torch.empty(n, dtype=torch.int64, device=dev)  # [N]
+        coef = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
+        dx = torch.empty(n, h, dtype=torch.float32, device=dev) if store_dx and dense else None  # [N, H]
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config)
+        for r0, r1, z in launch.chunks():
+            g = launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1],
+                                   write_g=dx is not None, scale=None)
+            if dx is not None:
+                matmul_f32(g, launch.w_mm, out=dx[r0:r1])
+        if store_dx and not dense:
+            # renorm without CE: the gradient lives on the k' ids only (N*k'*H work).
+            dx = sparse_rows_f32(coef, ids, weight, workspace_bytes)  # [N, H] fp32
+        ctx.store_dx = store_dx
+        ctx.hidden_dtype = hidden.dtype
+        ctx.launch_args = (tail, ce_weight, workspace_bytes, config)
+        if store_dx:
+            ctx.save_for_backward(dx)
+        elif grad_w:
+            ctx.save_for_backward(hidden, weight, ids, lq, q_tail)
         ctx.mark_non_differentiable(argmax)
-        return lse, z_sel, argmax
+        return rows, argmax
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_lse, d_zsel, _d_argmax):
-        hidden, weight, ids, lse, z_sel = ctx.saved_tensors
-        config = ctx.config
+    def backward(ctx, d_rows, _d_argmax):
+        nones = (None,) * 9
+        if d_rows is None:
+            return None, None, *nones
+        d_rows = d_rows.float()
+        if ctx.store_dx:
+            (dx,) = ctx.saved_tensors
+            return (d_rows[:, None] * dx).to(ctx.hidden_dtype), None, *nones
+        hidden, weight, ids, lq, q_tail = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         n, h = hidden.shape
-        v = weight.shape[0]
-        total, first = slot_gradients(d_lse, d_zsel, lse, z_sel, ids)  # [N, k'] fp32, bool
-        if d_lse is None and not need_w:
-            # renorm without CE: no dense term, only k' rows of W per row (N*k'*H work).
-            d_hidden = sparse_rows_f32(total * first, ids, weight, ctx.workspace_bytes).to(hidden.dtype)
-            return d_hidden, None, None, None, None, None
-        if d_lse is not None:
-            d_lse = d_lse.float().contiguous()  # autograd may hand an expanded view
-        rows_per_chunk = max(1, ctx.workspace_bytes // (v * weight.element_size()))
-        if rows_per_chunk > config.block_n:
-            rows_per_chunk -= rows_per_chunk % config.block_n
-        rows_per_chunk = min(rows_per_chunk, n)
-        ws = torch.empty(rows_per_chunk, v, dtype=weight.dtype, device=weight.device)  # [C, V]
-        d_hidden = torch.empty_like(hidden) if need_x else None  # [N, H]
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for r0 in range(0, n, rows_per_chunk):
-            r1 = min(r0 + rows_per_chunk, n)
-            ws_c = ws[: r1 - r0]
-            x_c = hidden[r0:r1]
-            if d_lse is None:
-                ws_c.zero_()
-            else:
-                grid = (triton.cdiv(r1 - r0, config.block_n) * triton.cdiv(v, config.block_v),)
-                _dense_grad_kernel[grid](
-                    x_c, weight, lse[r0:r1], d_lse[r0:r1], ws_c, r1 - r0, v, h,
-                    hidden.stride(0), weight.stride(0), ws_c.stride(0),
-                    GROUP_N=config.group_n, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
-                    BLOCK_H=config.block_h, CAST_DOT=INTERPRETED, DOT_PRECISION=_dot_precision(hidden.dtype),
-                    num_warps=config.num_warps, num_stages=config.num_stages,
-                )
-            # The ids' complete gradients, formed in fp32, replace the dense values there;
-            # slots repeating an id carry equal values, so the write order does not matter.
-            ws_c.scatter_(1, ids[r0:r1], total[r0:r1].to(ws.dtype))
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, *ctx.launch_args)
+        scale = d_rows.contiguous()  # [N]; autograd may hand an expanded view
+        scratch_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        scratch_arg = torch.empty(n, dtype=torch.int64, device=hidden.device)  # [N]
+        scratch_coef = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)  # [N, k']
+        d_hidden = torch.empty(n, h, dtype=torch.float32, device=hidden.device) if need_x else None  # [N, H]
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
+        for r0, r1, z in launch.chunks():
+            g = launch.rows_kernel(z, r0, r1, scratch_rows[r0:r1], scratch_arg[r0:r1], scratch_coef[r0:r1],
+                                   write_g=True, scale=scale[r0:r1])
             if need_x:
-                torch.mm(ws_c, weight, out=d_hidden[r0:r1])
+                matmul_f32(g, launch.w_mm, out=d_hidden[r0:r1])
             if need_w:
-                d_weight.add_(matmul_f32(ws_c.T, x_c))
-        if need_w:
-            d_weight = d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None
+                d_weight.add_(matmul_f32(g.T, launch.x_mm[r0:r1]))
+        return (
+            d_hidden.to(hidden.dtype) if need_x else None,
+            d_weight.to(weight.dtype) if need_w else None,
+            *nones,
+        )
 
 
-def triton_lse_gather(
-    hidden: torch.Tensor,  # [N, H] bf16/fp32
+class _ChunkLauncher:
+    """The per-chunk steps shared by the forward and the dW backward: the logits GEMM into
+    the workspace and the row kernel over it."""
+
+    def __init__(self, hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config):
+        self.hidden, self.ids, self.lq, self.q_tail = hidden, ids, lq, q_tail
+        self.tail_bucket = tail == "bucket"
+        self.ce_weight = float(ce_weight)
+        self.config = config
+        self.w_mm = _weight_for_matmul(weight)  # [V, H]
+        self.x_mm = hidden if hidden.is_cuda else hidden.to(self.w_mm.dtype)  # [N, H]
+        self.g_dtype = weight.dtype
+        n, v = hidden.shape[0], weight.shape[0]
+        self.rows_per_chunk = _chunk_rows(n, v, workspace_bytes)
+        self.ws = torch.empty(min(self.rows_per_chunk, n), v, dtype=torch.float32, device=hidden.device)  # [C, V]
+
+    def chunks(self):
+        """(r0, r1, z) per chunk, z [r1 - r0, V] fp32 holding that chunk's logits."""
+        n = self.hidden.shape[0]
+        for r0 in range(0, n, self.rows_per_chunk):
+            r1 = min(r0 + self.rows_per_chunk, n)
+            z = self.ws[: r1 - r0]
+            matmul_f32(self.x_mm[r0:r1], self.w_mm.T, out=z)
+            yield r0, r1, z
+
+    def rows_kernel(self, z, r0, r1, rows, argmax, coef, *, write_g, scale):
+        """Run the row kernel on chunk [r0, r1); returns G [C, V] (a view of z's bytes)."""
+        c, v = z.shape
+        k = self.ids.shape[1]
+        g_size = torch.empty((), dtype=self.g_dtype).element_size()
+        _chunk_rows_kernel[(c,)](
+            z, self.ids[r0:r1], self.lq[r0:r1], self.q_tail[r0:r1],
+            scale if scale is not None else rows, rows, argmax, coef,
+            v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // g_size, self.ce_weight, TAIL_EPS,
+            TAIL_BUCKET=self.tail_bucket, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
+            HAS_SCALE=scale is not None, G_DTYPE=_TL_DTYPES[self.g_dtype],
+            ROUND_BY_BITS=INTERPRETED and self.g_dtype == torch.bfloat16,
+            K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_V=self.config.block_v,
+            num_warps=self.config.num_warps,
+        )
+        # The bf16 (fp16) G of row r is the first half of row r's fp32 bytes: a [C, V] view
+        # with row stride 2V, which cuBLAS takes as is (leading dimension 2V, no copy).
+        return z.view(self.g_dtype)[:, :v] if self.g_dtype != torch.float32 else z
+
+
+def triton_sparse_kl_rows(
+    hidden: torch.Tensor,  # [N, H] bf16/fp16/fp32
     weight: torch.Tensor,  # [V, H] same dtype
-    ids: torch.Tensor,  # [N, k'] int64
+    ids: torch.Tensor,  # [N, k'] integer: teacher ids, then the CE target when ce_weight != 0
+    lq: torch.Tensor,  # [N, k] fp32: teacher log-probs, floored (`reference.teacher_logprobs`)
+    q_tail: torch.Tensor,  # [N] fp32: teacher tail mass (`reference.teacher_tail`)
     *,
-    vocab_pass: bool,
+    tail: str,
+    ce_weight: float,
     workspace_bytes: int,
     config: TritonConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse [N] fp32, z_sel [N, k'] fp32, argmax [N] int64), as `reference.chunked_lse_gather`.
-
-    The forward needs no dense_grad flag: nothing is stored for dX, and the backward skips
-    the dense pass when d_lse arrives as None (lse did not reach the loss).
-    """
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N] fp32, argmax [N] int64): each row's loss (unweighted) and greedy token,
+    differentiable in hidden and weight. The mode (forward only, stored dX, dW recompute)
+    is chosen here from torch.is_grad_enabled() and the inputs' requires_grad."""
     if not hidden.is_cuda and not INTERPRETED:
         raise ValueError(
             "sparse_kl_loss(impl='triton') got CPU tensors: it needs CUDA tensors, or the Triton "
@@ -390,12 +386,10 @@ def triton_lse_gather(
             "on CPU use impl='torch'"
         )
     if config is None:
-        if INTERPRETED:
-            config = _INTERPRETER_CONFIG
-        else:
-            # fp32 tiles take twice the shared memory per pipeline stage: halve the H step
-            # (3 stages of 128x32 + 128x32 fp32 tiles are 96 KiB, as bf16 at 64).
-            config = TritonConfig(block_h=32) if hidden.dtype == torch.float32 else TritonConfig()
-    return _TritonLseGather.apply(
-        hidden.contiguous(), weight.contiguous(), ids.contiguous(), vocab_pass, config, workspace_bytes
+        config = _INTERPRETER_CONFIG if INTERPRETED else TritonConfig()
+    grad_x = torch.is_grad_enabled() and hidden.requires_grad
+    grad_w = torch.is_grad_enabled() and weight.requires_grad
+    return _TritonSparseKL.apply(
+        hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
+        q_tail.float().contiguous(), tail, float(ce_weight), workspace_bytes, config, grad_x, grad_w,
     )

@@ -1,8 +1,10 @@
 """Triton-specific checks of sparse_kl_loss under TRITON_INTERPRET=1 (set by conftest).
 
 The shared numerical tests live in test_kernels.py (parametrised over every impl); here:
-tile and split geometries, the order of the backward chunks, config validation, and the
-error on CPU tensors without the interpreter.
+tile sizes and chunkings, each mode of the Triton path (stored dX, sparse dX for renorm,
+dW recompute, forward only) with a non-unit grad_output, argmax ties, config validation,
+the error on CPU tensors without the interpreter, and a compile of the kernel for a Hopper
+GPU (the interpreter never compiles it).
 """
 
 import os
@@ -11,9 +13,11 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dflash.kernels import sparse_kl_loss
-from dflash.kernels.sparse_kl import INTERPRETED, TritonConfig
+from dflash.kernels.sparse_kl import INTERPRETED, TritonConfig, _to_storage
 from test_kernels import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, truth
 
 
@@ -24,31 +28,66 @@ def test_runs_interpreted():
 @pytest.mark.parametrize(
     "config, workspace_rows",
     [
-        (TritonConfig(block_n=16, block_v=16, block_h=16, num_splits=1), 37),  # many tiles, one split, one chunk
-        (TritonConfig(block_n=64, block_v=256, block_h=64, num_splits=3), 64),  # one row tile, uneven splits
-        (TritonConfig(block_n=16, block_v=64, block_h=16, num_splits=64, group_n=2), 5),  # splits capped by V tiles
+        (TritonConfig(block_v=16), 37),  # 65 tiles per sweep, one chunk
+        (TritonConfig(block_v=2048), 5),  # one tile wider than V, eight chunks
+        (TritonConfig(block_v=64), 1),  # one row per chunk
     ],
 )
-def test_tile_geometries(config, workspace_rows):
+def test_tiles_and_chunks(config, workspace_rows):
     n, h, v, k = SHAPES["odd"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=11)
-    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight, grad_weight=True)
+    ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight)
     x = hidden.clone().requires_grad_(True)
-    w = weight.clone().requires_grad_(True)
-    out, argmax = sparse_kl_loss(x, w, ids, logprobs, impl="triton", triton_config=config,
+    out, argmax = sparse_kl_loss(x, weight, ids, logprobs, impl="triton", triton_config=config,
                                  workspace_bytes=workspace_rows * v * 4, return_argmax=True)
     out.backward()
     assert abs(out.item() - ref.item()) <= FP32_TOL * abs(ref.item())
     assert rel_err(x.grad, ref_dx) <= FP32_TOL
-    assert rel_err(w.grad, ref_dw) <= FP32_TOL
     assert torch.equal(argmax, (hidden.double() @ weight.double().T).argmax(1))
+
+
+# Which inputs need a gradient picks the mode: "x" stores dX in the forward (G @ W, or the
+# sparse sum for renorm without CE), "w" and "xw" recompute each chunk in the backward
+# with G scaled by the upstream row gradients.
+@pytest.mark.parametrize("grads", ["x", "w", "xw"])
+@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("renorm", 0.0), ("renorm", 0.5)])
+def test_modes_with_row_gradients(grads, tail, ce_weight):
+    """reduction="none" with a partly zero grad_output, row weights and return_argmax (so
+    that renorm runs the kernel), against the fp64 truth."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=13)
+    g = torch.Generator().manual_seed(13)
+    weights = torch.rand(n, generator=g) * 2
+    grad_output = torch.randn(n, generator=g) * 3
+    grad_output[::4] = 0.0
+    targets = torch.randint(0, v, (n,), generator=g)
+    kw = dict(tail=tail, reduction="none", ce_targets=targets, ce_weight=ce_weight)
+
+    def run(fn, grad_output):
+        x = hidden.detach().clone().requires_grad_("x" in grads)
+        w = weight.detach().clone().requires_grad_("w" in grads)
+        loss = fn(x, w)
+        loss.backward(grad_output)
+        return loss.detach(), x.grad, w.grad
+
+    ref, ref_dx, ref_dw = run(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), grad_output.double())
+    out, dx, dw = run(lambda x, w: sparse_kl_loss(x, w, ids, logprobs, weights, impl="triton", return_argmax=True,
+                                                  workspace_bytes=16 * v * 4, triton_config=TritonConfig(block_v=128),
+                                                  **kw)[0], grad_output)
+    assert rel_err(out, ref) <= FP32_TOL
+    for mine, theirs in ((dx, ref_dx), (dw, ref_dw)):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert rel_err(mine, theirs) <= FP32_TOL
+    if dx is not None:
+        assert torch.equal(dx[::4], torch.zeros_like(dx[::4]))
 
 
 @pytest.mark.parametrize("impl", ["naive", "torch", "triton"])
 def test_argmax_ties_take_the_first_index(impl):
-    """Exact ties within a tile, across tiles and across splits resolve to the smallest id,
-    as torch.argmax does. Small integer inputs make every logit exact in any summation
-    order (so ties are real ties) and make ties common."""
+    """Exact ties within a tile and across tiles resolve to the smallest id, as torch.argmax
+    does. Small integer inputs make every logit exact in any summation order (so ties are
+    real ties) and make ties common."""
     n, h, v, k = SHAPES["odd"]
     g = torch.Generator().manual_seed(12)
     hidden = torch.randint(-2, 3, (n, h), generator=g).float()  # [N, H]
@@ -57,17 +96,32 @@ def test_argmax_ties_take_the_first_index(impl):
     logprobs = torch.full((n, k), -3.0)
     logits = hidden @ weight.T  # [N, V], integers
     assert ((logits == logits.max(1, keepdim=True).values).sum(1) > 1).float().mean() > 0.3
-    config = TritonConfig(block_n=16, block_v=64, block_h=16, num_splits=4)
-    kw = {"triton_config": config} if impl == "triton" else {}
+    kw = {"triton_config": TritonConfig(block_v=64)} if impl == "triton" else {}
     _, argmax = sparse_kl_loss(hidden, weight, ids, logprobs, impl=impl, return_argmax=True, **kw)
     assert torch.equal(argmax, logits.argmax(1))
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("block_n", 8), ("block_v", 100), ("block_h", 0), ("gather_block_n", 3), ("num_splits", 0), ("num_warps", 6),
-     ("group_n", 0)],
-)
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _to_storage(tl.load(x_ptr + offs), tl.bfloat16, True))
+
+
+def test_bf16_rounding_is_nearest_even():
+    """G's bf16 rounding under the interpreter (integer ops; the interpreter's own cast
+    truncates) equals torch's fp32 -> bf16, ties to even included."""
+    g = torch.Generator().manual_seed(15)
+    x = torch.cat([
+        torch.randn(4000, generator=g) * 10.0 ** torch.randint(-30, 30, (4000,), generator=g),
+        torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 3.3e38, 0.0, -0.0]),  # ties, subnormal, near max
+    ])  # [4007] fp32
+    x = torch.nn.functional.pad(x, (0, 4096 - len(x)))
+    out = torch.empty(4096, dtype=torch.bfloat16)
+    _round_kernel[(1,)](x, out, N=4096)
+    assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("field, value", [("block_v", 8), ("block_v", 100), ("num_warps", 6), ("num_warps", 0)])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=f"TritonConfig.{field}"):
         TritonConfig(**{field: value})
@@ -89,3 +143,49 @@ def test_cpu_tensors_without_interpreter_raise():
     )
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+# Compiles the kernel to a cubin for sm_90 with the ptxas that ships in the triton wheel
+# (no GPU or driver needed): the code the GPU runs (the hardware bf16 cast, the barriers)
+# is never compiled by the interpreter. The variants: the DFlash case (bucket, bf16 G),
+# fp32 G with CE and a row scale (the dW recompute), and forward only (renorm).
+COMPILE_CODE = r"""
+import os, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dflash.kernels.sparse_kl import INTERPRETED, _chunk_rows_kernel
+assert not INTERPRETED
+args = {"z_ptr": "*fp32", "ids_ptr": "*i64", "lq_ptr": "*fp32", "qtail_ptr": "*fp32", "scale_ptr": "*fp32",
+        "row_ptr": "*fp32", "arg_ptr": "*i64", "coef_ptr": "*fp32", "V": "i32", "K": "i32", "KT": "i32",
+        "stride_z": "i32", "stride_g": "i32", "ce_weight": "fp32", "tail_eps": "fp32"}
+variants = [
+    dict(TAIL_BUCKET=True, USE_CE=False, WRITE_G=True, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
+    dict(TAIL_BUCKET=True, USE_CE=True, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.float32),
+    dict(TAIL_BUCKET=False, USE_CE=False, WRITE_G=False, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
+]
+for variant in variants:
+    const = dict(variant, ROUND_BY_BITS=False, K_PAD=64, BLOCK_V=4096)
+    signature = dict(args, **{name: "constexpr" for name in const})
+    names = list(signature)
+    # What the JIT specialises at run time for V = 151936: 16-divisible pointers and strides.
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("z_ptr", "V", "stride_z", "stride_g")}
+    src = ASTSource(fn=_chunk_rows_kernel, signature=signature, attrs=attrs,
+                    constexprs={(names.index(name),): value for name, value in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"]
+    assert ("st.global.v" in ptx) == variant["WRITE_G"], "G stores should be vectorised"
+    assert "ld.global.v4" in ptx, "row loads should be 128-bit"
+print("compiled", len(variants))
+"""
+
+
+def test_compiles_for_hopper():
+    ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"no ptxas in the triton wheel at {ptxas}")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_CODE], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 3" in done.stdout
