@@ -137,10 +137,10 @@ def mfu(config: FitConfig, cache: Path, step_s: float, metrics: list[dict]) -> d
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
 
-def run_smollm2(cache: Path, workdir: Path, steps: int) -> dict:
+def run_smollm2(cache: Path, workdir: Path, steps: int, tokens_per_step: int) -> dict:
     """A short real run on a SmolLM2-135M cache: does the loss fall? First/last metrics lines."""
     config = FitConfig(cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, block_size=16,
-                       anchors_per_seq=32, tokens_per_step=512, max_steps=steps, epochs=1000,
+                       anchors_per_seq=32, tokens_per_step=tokens_per_step, max_steps=steps, epochs=1000,
                        checkpoint_every=steps, keep_checkpoints=1, eval_every=max(1, steps // 4),
                        eval_fraction=0.05, device="cpu", wandb=False, log_every=25)
     fit(config)
@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--smollm2-cache", type=Path, default=None,
                         help="also train on this real SmolLM2-135M cache (from dflash-precompute)")
     parser.add_argument("--smollm2-steps", type=int, default=300)
+    parser.add_argument("--smollm2-tokens-per-step", type=int, default=256)
     args = parser.parse_args()
     globals()["PEAK_TFLOPS"] = args.peak_tflops
     results = []
@@ -211,7 +212,8 @@ def main() -> None:
         if "gpu" in sections and torch.cuda.is_available():
             results.append(run("gpu", workdir, args.steps, num_sequences=16, length=2048, drafter_layers=5,
                                anchors_per_seq=512, tokens_per_step=16384, checkpoint_every=8))
-        smollm2 = run_smollm2(args.smollm2_cache, workdir, args.smollm2_steps) if args.smollm2_cache else None
+        smollm2 = run_smollm2(args.smollm2_cache, workdir, args.smollm2_steps,
+                                                   args.smollm2_tokens_per_step) if args.smollm2_cache else None
     if results:
         print(table(results))
     if smollm2:
