@@ -227,3 +227,31 @@ def test_plan_permutes_per_epoch():
 def test_plan_rejects_too_small_step():
     with pytest.raises(ValueError, match="at least one block"):
         make_plan(4, tokens_per_step=16)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading from a real (synthetic) cache
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_read_batch_from_memory_mapped_cache_matches_decoded_rows(tmp_path, codec):
+    from dflash.shards import open_cache
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    write_synthetic_training_cache(tmp_path / "c", lengths=[30, 41, 25], feature_codec=codec, seed=3)
+    cache = open_cache(tmp_path / "c", check_rows=False)
+    corpus = Corpus([cache])
+    segments = [Segment(2, 0, 3), Segment(0, 1, 2)]
+    batch = read_batch(corpus, segments, stream=1, plan_anchors=4, seed=0, block_size=4, gamma=7.0,
+                       mask_token_id=0)
+    offset = 0
+    for seg, (context_length, anchors) in zip(segments, batch.segments):
+        row = cache[seg.sequence]  # decoded by the reader: float32 features
+        expected = row.features[:context_length].reshape(context_length, -1)
+        got = batch.context_features[offset:offset + context_length].float().numpy()
+        np.testing.assert_array_equal(got, expected)
+        offset += context_length
+        np.testing.assert_array_equal(anchors, draw_anchors(row.loss_mask, 4, 0, 1, seg.sequence)
+                                      [seg.first:seg.first + seg.count])
+    assert offset == batch.context_features.shape[0]

@@ -328,7 +328,7 @@ def decode_features(raw, spec, stop: int) -> np.ndarray:
     if spec.feature_codec == "bf16":
         return np.array(raw.features[:stop])  # [stop, L, H] uint16 (bf16 bits)
     codes = torch.from_numpy(np.array(raw.features[:stop])).view(torch.float8_e4m3fn).float()
-    scales = torch.from_numpy(np.asarray(raw.feature_scales[:stop], dtype=np.float32))
+    scales = torch.from_numpy(np.array(raw.feature_scales[:stop], dtype=np.float32))  # a copy
     while scales.dim() < codes.dim():
         scales = scales[..., None]
     return (codes * scales).numpy()
