@@ -249,7 +249,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                     raise SpikeStop(
                         f"stopped at step {step}: {gate.consecutive_skips} steps in a row were skipped as "
                         f"spikes (last: {reason}). The batches and their sequences are in "
-                        f"{run_dir / 'spikes.jsonl'} (open them with `dflash-shards show`); the last "
+                        f"{run_dir / 'spikes.jsonl'} (open one with `dflash-shards show <cache> <sequence>`); the last "
                         f"good checkpoint is {where or 'none (no checkpoint was written)'}. Fix or drop "
                         f"those sequences, or raise --spike-factor / --max-consecutive-skips, then rerun "
                         f"to resume from that checkpoint."
