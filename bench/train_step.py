@@ -8,7 +8,8 @@ the run's metrics.jsonl and events.jsonl:
 - data time: time spent asking the plan and reading the step's rows from the memory-mapped
   shards, as a fraction of step time (total, and the worst single step);
 - checkpoints: the step that takes the host snapshot, and the steps that run while the
-  background thread writes, against the median of the other steps.
+  background thread writes, against the median of the nearest other steps; the same ratio
+  for every step is printed beside it, as the noise floor of the machine.
 
 CPU section: the SmolLM2-135M shape (H 576, V 49152, 5 target features, 9/3 heads of 64,
 FFN 1536), a 2-layer drafter, block 16. GPU section (when CUDA is available): a
@@ -88,8 +89,15 @@ def analyse(metrics: list[dict], events: list[dict]) -> dict:
             elapsed += step_s[s]
             s += 1
     steady = [s for s in step_s if s > 1]
-    quiet = [step_s[s] for s in steady if s not in during_write and s not in snapshot_steps]
-    median = statistics.median(quiet)
+    quiet_steps = [s for s in steady if s not in during_write and s not in snapshot_steps]
+    median = statistics.median(step_s[s] for s in quiet_steps)
+
+    def local_ratio(s: int) -> float:
+        """Step time over the median of the 6 nearest quiet steps: on a shared machine the
+        load drifts (2-5x over minutes), so a run-wide median would measure the drift."""
+        near = sorted(quiet_steps, key=lambda q: abs(q - s))[:6]
+        return step_s[s] / statistics.median(step_s[q] for q in near)
+
     tokens = metrics[-1]["tokens"]
     return {
         "median_step_s": median,
@@ -103,8 +111,9 @@ def analyse(metrics: list[dict], events: list[dict]) -> dict:
         "checkpoint_snapshot_s": max((e["snapshot_s"] for e in checkpoints), default=0.0),
         "checkpoint_bytes": max((e["bytes"] for e in checkpoints), default=0),
         "steps_during_write": len(during_write),
-        "max_snapshot_step_ratio": max((step_s[s] / median for s in snapshot_steps if s > 1), default=None),
-        "max_during_write_ratio": max((step_s[s] / median for s in during_write), default=None),
+        "max_snapshot_step_ratio": max((local_ratio(s) for s in snapshot_steps if s > 1), default=None),
+        "max_during_write_ratio": max((local_ratio(s) for s in during_write), default=None),
+        "max_step_ratio_anywhere": max(local_ratio(s) for s in steady),
         "first_loss": metrics[0]["loss"],
         "last_loss": metrics[-1]["loss"],
     }
@@ -170,9 +179,10 @@ def table(results: list[dict]) -> str:
                                             f"{100 * r['max_step_data_fraction']:.2f}%)"),
         ("checkpoint", lambda r: f"{r['checkpoints']} x {r['checkpoint_bytes'] / 2**20:.0f} MiB, write "
                                  f"{r['checkpoint_write_s']:.2f} s, snapshot {r['checkpoint_snapshot_s']:.3f} s"),
-        ("snapshot step / median", lambda r: _ratio(r["max_snapshot_step_ratio"])),
-        ("steps during write / median", lambda r: f"{_ratio(r['max_during_write_ratio'])} (max of "
-                                                  f"{r['steps_during_write']} steps)"),
+        ("snapshot step / local median", lambda r: _ratio(r["max_snapshot_step_ratio"])),
+        ("steps during write / local median", lambda r: f"{_ratio(r['max_during_write_ratio'])} (max of "
+                                                        f"{r['steps_during_write']} steps)"),
+        ("any step / local median (noise)", lambda r: _ratio(r["max_step_ratio_anywhere"])),
         ("loss first -> last", lambda r: f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"),
         ("MFU", lambda r: f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"),
     ]
