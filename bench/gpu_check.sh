@@ -3,13 +3,20 @@
 #
 #   bash bench/gpu_check.sh            # from any directory; about 5 minutes, at most 6
 #
-# 1. finds a python with torch (CUDA) and triton; installs nothing (the device machine has
-#    no network): set PYTHON=/path/to/python to choose one;
+# 1. finds a python with torch (CUDA) and triton; installs nothing from a network (the
+#    device machine has none): set PYTHON=/path/to/python to choose one. Wheels found in
+#    .whl/ at the repository root are installed into a temporary folder put on PYTHONPATH
+#    (no dependencies, no index): that is how Liger and Cut Cross-Entropy, which the k = 1
+#    comparison needs and the device image lacks, travel. Prepare them once where pip has
+#    a network, then carry .whl with the run:
+#      echo /.whl/ >> .git/info/exclude
+#      python3 -m pip download --no-deps --only-binary=:all: -d .whl \
+#          liger-kernel==0.8.5 cut-cross-entropy==25.1.1      # pure Python, ~1 MB
 # 2. makes this checkout's dflash.kernels importable (installed, or through a namespace shim);
 # 3. parity of the Triton path at full size (N, H, V, k) = (16384, 4096, 151936, 32):
 #    bf16 Triton against the torch chunked path in fp32 (IEEE matmuls) on the same bf16
 #    values, and against the plain bf16 PyTorch form (the Cut Cross-Entropy criterion);
-#    fp32 Triton and dW at N = 2048; bitwise determinism of two runs;
+#    bitwise determinism of two runs; at N = 2048 the dW (recompute) path in bf16 and fp32;
 # 4. the timing table: python bench/loss_bench.py --device cuda --json (last line JSON).
 # Exit status: 0 all checks passed, 1 a parity check failed, 2 no usable python/GPU.
 set -euo pipefail
@@ -31,6 +38,13 @@ if [ -z "$PY" ]; then
   echo "gpu_check: FAIL: no python here imports torch with CUDA and triton" >&2
   echo "  tried: \${PYTHON} '$REPO/.venv/bin/python' python3 python; set PYTHON=/path/to/python" >&2
   exit 2
+fi
+
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+  SITE="$(mktemp -d)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$REPO"/.whl/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu_check: installed $(ls "$REPO"/.whl | tr '\n' ' ')into $SITE" >&2
 fi
 
 # dflash.* is a namespace of top-level folders mapped by pyproject.toml; without an install,
@@ -88,13 +102,15 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# Tolerances. bf16 products are exact in fp32, so Triton's bf16 tl.dot with fp32 accumulation
-# differs from the fp32 reference on the same values only by summation order over H = 4096:
-# ~1e-6 relative on logits, lse and the loss; 1e-4 is the loss limit. dX is rounded to bf16
-# twice (the dense dZ workspace, then dX itself), 2^-9 relative each at worst per element and
-# less in norm; 1e-2 in Frobenius norm is a 2.5x margin over two worst-case roundings. The
-# bf16 run must also be no worse than the plain bf16 PyTorch form, whose logits are rounded
-# to bf16 before the softmax (error ~2^-9 * |z| on every logit), plus 2^-9.
+# Tolerances. bf16 products are exact in fp32, so the bf16 cuBLAS GEMM with fp32 accumulation
+# and output differs from the fp32 reference on the same values only by summation order over
+# H = 4096: ~1e-6 relative on logits, lse and the loss; 1e-4 is the loss limit. dX is rounded
+# to bf16 twice (the logit gradient G in the workspace, then dX itself), 2^-9 relative each at
+# worst per element and less in norm; 1e-2 in Frobenius norm is a 2.5x margin over two
+# worst-case roundings. The bf16 run must also be no worse than the plain bf16 PyTorch form,
+# whose logits are rounded to bf16 before the softmax (error ~2^-9 * |z| on every logit),
+# plus 2^-9. A race in the kernel's in-place bf16 write would show as a parity failure or
+# as differing bits between the two runs.
 N, H, V, K = 16384, 4096, 151936, 32
 hidden, weight, ids, logprobs = make_inputs(N, H, V, K, dtype=torch.bfloat16, device="cuda")
 hidden = hidden.detach()
@@ -117,8 +133,10 @@ check("bf16 triton dX error minus bf16 form's", rel(dx, ref_dx) - rel(base_dx, r
 del ref_dx, dx, dx2, base_dx
 torch.cuda.empty_cache()
 
-# fp32 inputs (IEEE dots in Triton) and dW, at N = 2048: fp32 end to end, so the limits are
-# fp32 summation-order limits, 1e-5 on the loss and 1e-4 on the gradients.
+# The dW path (the head requires grad: forward only, then each chunk recomputed with G scaled
+# by the row gradients) at N = 2048, against the fp32 torch path. In fp32 end to end (IEEE
+# GEMMs) the limits are fp32 summation-order limits, 1e-5 on the loss and 1e-4 on the
+# gradients; in bf16 G, dX and dW are each rounded to bf16 (the same 1e-2 as dX above).
 n = 2048
 x32, w32, ids_s, lq_s = hidden[:n].float(), weight.float(), ids[:n], logprobs[:n]
 w32.requires_grad_(True)
@@ -128,6 +146,11 @@ loss, _, dx, dw, _ = run("triton", x32, w32, ids_s, lq_s)
 check("fp32 triton loss vs torch (relative)", abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), 1e-5)
 check("fp32 triton dX vs torch (relative Frobenius)", rel(dx, ref_dx), 1e-4)
 check("fp32 triton dW vs torch (relative Frobenius)", rel(dw, ref_dw), 1e-4)
+w16 = weight.detach().clone().requires_grad_(True)
+loss, _, dx, dw, _ = run("triton", hidden[:n], w16, ids_s, lq_s)
+check("bf16 triton dW-path loss vs fp32 torch (relative)", abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), 1e-4)
+check("bf16 triton dW-path dX vs fp32 torch (relative Frobenius)", rel(dx, ref_dx), 1e-2)
+check("bf16 triton dW vs fp32 torch (relative Frobenius)", rel(dw, ref_dw), 1e-2)
 if failures:
     sys.exit(f"gpu_check: FAIL: {len(failures)} parity check(s): {failures}")
 print("gpu_check: parity ok", flush=True)

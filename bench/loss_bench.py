@@ -18,7 +18,11 @@ median of CUDA-event timings; TFLOP/s counts 4*N*H*V (a frozen head: logits plus
 step whatever the implementation really computes; "mm" is the ratio of that rate to a
 plain bf16 torch.mm of the same [N, H] x [H, V] shape timed in the same run (2*N*H*V per
 call); peak extra memory is torch.cuda.max_memory_allocated during the step minus the
-memory allocated before it (dX itself, N*H, is included for every impl).
+memory allocated before it (dX itself, N*H, is included for every impl). The row
+"chunked cuBLAS only" runs the triton path's two GEMMs per chunk (fp32 logits into the
+same workspace, then dX from its bf16 view) without the Triton kernel or any loss: the
+ceiling of that design, so that triton's time minus its time is the kernel's share. On
+the large shape a sweep of Triton launch options and of the workspace size follows.
 
 --json prints one JSON object as the last line of stdout.
 """
@@ -38,6 +42,7 @@ from datetime import date
 import torch
 
 from dflash.kernels import sparse_kl_loss
+from dflash.kernels.reference import default_workspace_bytes, matmul_f32
 
 CPU_SHAPE = (4096, 576, 49152, 32)
 QUICK_CPU_SHAPE = (512, 64, 4096, 8)
@@ -63,6 +68,26 @@ def make_inputs(n, h, v, k, *, dtype=torch.float32, device="cpu", seed=0):
 def step(loss_fn, hidden, *args):
     hidden.grad = None
     loss_fn(hidden, *args).backward()
+
+
+def chunked_cublas_step(hidden, weight, workspace_bytes):
+    """The triton path's GEMMs alone: per chunk, fp32 logits into a [C, V] workspace, then
+    dX_c from the workspace's bf16 view (as the Triton kernel leaves it) times W."""
+    from dflash.kernels.sparse_kl import chunk_rows
+
+    n, h = hidden.shape
+    v = weight.shape[0]
+    rows = chunk_rows(n, v, workspace_bytes)
+    ws = torch.empty(rows, v, dtype=torch.float32, device=hidden.device)  # [C, V]
+    dx = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [N, H]
+    x = hidden.detach()
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        z = ws[: r1 - r0]
+        matmul_f32(x[r0:r1], weight.T, out=z)
+        g = z.view(weight.dtype)[:, :v] if weight.dtype != torch.float32 else z
+        matmul_f32(g, weight, out=dx[r0:r1])
+    return dx
 
 
 def sparse_kl(impl, **kw):
@@ -172,7 +197,7 @@ def k1_competitors() -> dict:
     return found
 
 
-def gpu_rows(iters: int, triton_configs: list, budget_s: float, on_row) -> list[dict]:
+def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[dict]:
     """Rows of the GPU table, most important first; candidates left when budget_s has run
     out are recorded as skipped, so that a time limit still gets a table and its JSON."""
     start = time.monotonic()
@@ -193,20 +218,23 @@ def gpu_rows(iters: int, triton_configs: list, budget_s: float, on_row) -> list[
               "tflops": mm_tflops, "mm_ratio": 1.0, "peak_extra_mib": None})
 
         labels = ids[:, :1].contiguous()  # [N, 1]
-        zeros = torch.zeros(n, 1, device="cuda")
+        zeros = torch.zeros(n, 1, device=hidden.device)
+        # Each candidate runs one whole step: the loss and dX (hidden.grad).
         candidates = {
             "triton": sparse_kl("triton"),
+            "chunked cuBLAS only": None,
             "torch": sparse_kl("torch"),
             "naive": sparse_kl("naive"),
             "triton k=1": lambda x, w, _ids, _lq: sparse_kl_loss(x, w, labels, zeros, impl="triton"),
         }
         for name, fn in k1_competitors().items():
             candidates[f"{name} k=1"] = lambda x, w, _ids, _lq, fn=fn: fn(x, w, labels[:, 0])
+        if shape_index == 0:  # the launch-option and workspace sweep, on the large shape only
+            for label, kw in triton_sweep.items():
+                candidates[label] = sparse_kl("triton", **kw)
+        # Last: its compilation alone can take a minute, and the budget skips what is left.
         candidates["torch.compile(naive)"] = torch.compile(sparse_kl("naive"))
-        if shape_index == 0:  # the tile-size sweep, on the large shape only
-            for cfg in triton_configs:
-                label = f"triton[{cfg.block_n}x{cfg.block_v}x{cfg.block_h} w{cfg.num_warps} s{cfg.num_stages}]"
-                candidates[label] = sparse_kl("triton", triton_config=cfg)
+        workspace_bytes = default_workspace_bytes(hidden.device)
 
         for name, fn in candidates.items():
             row = {"impl": name, "shape": list(shape), "k": 1 if "k=1" in name else k}
@@ -214,11 +242,18 @@ def gpu_rows(iters: int, triton_configs: list, budget_s: float, on_row) -> list[
                 row["error"] = f"skipped: time budget of {budget_s:.0f} s spent"
                 emit(row)
                 continue
+
+            def run(fn=fn):
+                if fn is None:
+                    chunked_cublas_step(hidden, weight, workspace_bytes)
+                else:
+                    step(fn, hidden, weight, ids, logprobs)
+
             try:
-                times = cuda_time_ms(lambda: step(fn, hidden, weight, ids, logprobs), iters)
+                times = cuda_time_ms(run, iters)
                 ms = statistics.median(times)
                 row.update(median_ms=ms, times_ms=times, tflops=flops / (ms * 1e-3) / 1e12,
-                           peak_extra_mib=cuda_peak_extra_mib(lambda: step(fn, hidden, weight, ids, logprobs)))
+                           peak_extra_mib=cuda_peak_extra_mib(run))
                 row["mm_ratio"] = row["tflops"] / mm_tflops
             except Exception as err:  # a failing competitor (OOM, compile error) is a table row, not a crash
                 first_line = (str(err).splitlines() or [""])[0][:200]
@@ -263,7 +298,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--iters", type=int, default=None, help="timed steps per impl (default: 3 CPU, 5 GPU)")
     parser.add_argument("--quick", action="store_true", help=f"CPU only: the small shape {QUICK_CPU_SHAPE}")
-    parser.add_argument("--no-sweep", action="store_true", help="GPU: only the default Triton config")
+    parser.add_argument("--no-sweep", action="store_true", help="GPU: only the default Triton options")
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="GPU: skip the remaining candidates once this many seconds have passed")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -284,11 +319,13 @@ def main() -> None:
     else:
         from dflash.kernels.sparse_kl import TritonConfig
 
-        sweep = [] if args.no_sweep else [
-            TritonConfig(block_n=128, block_v=256, block_h=64, num_warps=8, num_stages=3),
-            TritonConfig(block_n=64, block_v=128, block_h=64, num_warps=4, num_stages=4),
-            TritonConfig(block_n=128, block_v=128, block_h=32, num_warps=4, num_stages=4),
-        ]
+        sweep = {} if args.no_sweep else {
+            "triton[block_v 2048 w4]": {"triton_config": TritonConfig(block_v=2048, num_warps=4)},
+            "triton[block_v 4096 w16]": {"triton_config": TritonConfig(block_v=4096, num_warps=16)},
+            "triton[block_v 8192 w16]": {"triton_config": TritonConfig(block_v=8192, num_warps=16)},
+            "triton[workspace 4 GiB]": {"workspace_bytes": 4 * 2**30},
+            "triton[workspace 1 GiB]": {"workspace_bytes": 2**30},
+        }
         machine = torch.cuda.get_device_name()
         print(f"sparse_kl_loss forward + backward (dX only), cuda: {machine}, bf16")
         print(GPU_HEADER, flush=True)

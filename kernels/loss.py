@@ -1,10 +1,12 @@
 """`sparse_kl_loss`: the drafter's loss against a cached teacher top-k, LM head fused in.
 
 This file is the public entry point: it checks the inputs, picks the implementation at call
-time (never at import: a macOS install without triton still imports this package), runs the
-vocabulary pass (`reference.py` for naive/torch, `sparse_kl.py` for triton) and reduces the
-per-row losses of `reference.row_losses`. The math and the gradient split are documented in
-`reference.py`; the Triton kernels and their bounded workspace in `sparse_kl.py`.
+time (never at import: a macOS install without triton still imports this package), gets
+the per-row losses (naive/torch: a vocabulary pass in `reference.py`, then
+`reference.row_losses`; triton: `sparse_kl.triton_sparse_kl_rows`, which computes the rows
+and their gradient in one fused pass per row chunk) and applies the row weights and the
+reduction. The math and the gradient split are documented in `reference.py`; the Triton
+path, its FLOP count, memory traffic and bounded workspace in `sparse_kl.py`.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ def sparse_kl_loss(
 
     impl: "naive" materialises the [N, V] logits; "torch" is chunked over rows (peak extra
     memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 2 GiB on
-    CUDA); "triton" never forms logits in the forward (CUDA, or CPU tensors under
-    TRITON_INTERPRET=1); "auto" is triton for CUDA tensors, torch otherwise.
+    CUDA); "triton" is chunked the same way, with cuBLAS for the two GEMMs and one fused
+    Triton kernel per chunk for everything else, dX formed in the forward when the head is
+    frozen (CUDA, or CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
+    tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
+    all and takes the torch path's N*k'*H gather whatever impl says.
 
     Returns the loss (a scalar, or [N] for reduction="none"), and with return_argmax=True
     a tuple (loss, argmax) where argmax [N] int64 is the student's greedy token per row,

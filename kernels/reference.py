@@ -9,7 +9,7 @@ top-k log-probs lq over the id set S (normalised over the full vocabulary):
     tail="renorm":  KL(q_hat || p_hat), both renormalised over S (no dense term at all)
     optional CE:    + ce_weight * (lse(z) - z_target)
 
-Every implementation is split the same way. A vocabulary pass reduces the logits to the
+The naive and torch paths are split the same way. A vocabulary pass reduces the logits to the
 row's log-sum-exp `lse` [N] and the logits at a few ids `z_sel` [N, k'] (the k teacher ids,
 then the CE target), plus the argmax; `row_losses` then computes the loss from those small
 tensors in fp32, and autograd differentiates it. The vocabulary pass only has to map
@@ -22,7 +22,10 @@ the sum is the sparse part on at most k' ids. Where p_j and q_j nearly cancel (j
 well-trained student), the two are added in fp32 before anything is rounded (Liger 1329).
 With tail="bucket", d_lse = Q - q_t P_S / (1 - P_S) and d_zsel = -q + q_t p_S / (1 - P_S),
 the form in ../shared/ANCHORS.md; autograd derives it from `row_losses`, so there is one
-source of truth for all implementations.
+source of truth for both paths. The triton path (`sparse_kl.py`) needs the gradient while a
+chunk's logits are at hand, before autograd runs, so its row kernel computes the same loss
+and this same gradient by hand (formulas in its docstring); the tests hold every path
+against an fp64 autograd ground truth that shares no code with any of them.
 
 Implementations here:
 

@@ -59,9 +59,9 @@ A row is V * 4 = 608 KB, so with hundreds of rows in flight sweep 2 re-reads fro
 L2; a single sweep would need the final lse before writing G.
 
 Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 2 GiB by
-default on CUDA: C = 3532 at V = 151936, i.e. 5 chunks of 3277 rows at N = 16384), dX [N, H]
-fp32 (256 MiB at N = 16384, H = 4096), per-slot coefficients [N, k'] fp32, and dW's fp32
-[V, H] accumulator plus one [V, H] fp32 product per chunk when W requires grad.
+default on CUDA: at most 3533 rows at V = 151936, i.e. 5 chunks of 3277 rows at N = 16384),
+dX [N, H] fp32 (256 MiB at N = 16384, H = 4096), per-slot coefficients [N, k'] fp32, and
+dW's fp32 [V, H] accumulator plus one [V, H] fp32 product per chunk when W requires grad.
 
 Races and determinism: one program per row, no atomics; the result is the same on every
 run (cuBLAS is deterministic for a fixed shape and stream). Sweep 2 stores a bf16 tile over
@@ -236,9 +236,10 @@ class TritonConfig:
 _INTERPRETER_CONFIG = TritonConfig(block_v=256, num_warps=1)
 
 
-def _chunk_rows(n: int, v: int, workspace_bytes: int) -> int:
-    """Rows per chunk: the most the fp32 [C, V] workspace holds, balanced so that the last
-    chunk is not a sliver (each chunk is a GEMM that should fill the GPU)."""
+def chunk_rows(n: int, v: int, workspace_bytes: int) -> int:
+    """Rows per chunk of the triton path: the most an fp32 [C, V] workspace of
+    workspace_bytes holds, balanced so that the last chunk is not a sliver (each chunk is a
+    GEMM that should fill the GPU)."""
     most = max(1, workspace_bytes // (4 * v))
     return triton.cdiv(n, triton.cdiv(n, most)) if n else 1
 
@@ -332,7 +333,7 @@ class _ChunkLauncher:
         self.x_mm = hidden if hidden.is_cuda else hidden.to(self.w_mm.dtype)  # [N, H]
         self.g_dtype = weight.dtype
         n, v = hidden.shape[0], weight.shape[0]
-        self.rows_per_chunk = _chunk_rows(n, v, workspace_bytes)
+        self.rows_per_chunk = chunk_rows(n, v, workspace_bytes)
         self.ws = torch.empty(min(self.rows_per_chunk, n), v, dtype=torch.float32, device=hidden.device)  # [C, V]
 
     def chunks(self):
@@ -348,11 +349,10 @@ class _ChunkLauncher:
         """Run the row kernel on chunk [r0, r1); returns G [C, V] (a view of z's bytes)."""
         c, v = z.shape
         k = self.ids.shape[1]
-        g_size = torch.empty((), dtype=self.g_dtype).element_size()
         _chunk_rows_kernel[(c,)](
             z, self.ids[r0:r1], self.lq[r0:r1], self.q_tail[r0:r1],
             scale if scale is not None else rows, rows, argmax, coef,
-            v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // g_size, self.ce_weight, TAIL_EPS,
+            v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
             TAIL_BUCKET=self.tail_bucket, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
             HAS_SCALE=scale is not None, G_DTYPE=_TL_DTYPES[self.g_dtype],
             ROUND_BY_BITS=INTERPRETED and self.g_dtype == torch.bfloat16,
