@@ -553,10 +553,10 @@ class DFlashDrafter(nn.Module):
             return _visible(ix, q, kv)
 
         device = layout.anchors.device
-        # Compiled on CUDA: eager evaluation materialises [Q, C+Q] intermediates per index op.
+        # Eager: evaluates the rule over [Q, C+Q] on the device once per step (a few
+        # elementwise passes), shared by every layer; compiling it would recompile per shape.
         return create_block_mask(mask_mod, None, None, layout.num_queries,
-                                 layout.num_context + layout.num_queries, device=device,
-                                 _compile=device.type == "cuda")
+                                 layout.num_context + layout.num_queries, device=device)
 
     @staticmethod
     def _attend_flex(q, k_ctx, v_ctx, k_blk, v_blk, block_mask) -> torch.Tensor:
