@@ -114,7 +114,13 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     """Why the sub-case failed; empty when it passed."""
     notes: list[str] = field(default_factory=list)
-    """Facts worth counting that are not failures (e.g. "killed after 7 shards")."""
+    """Facts about the trial; those starting with a tag in COUNTED_NOTES are tallied."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Quantities summed over the class's trials (e.g. final-name files opened)."""
+
+
+# Notes with these prefixes are tallied per class in the table; the rest stay per trial.
+COUNTED_NOTES = ("undetected", "reported as", "refused:", "error:", "limit hit in:")
 
 
 @dataclass(kw_only=True)
@@ -163,8 +169,9 @@ def _child_main(command: str, args: list[str], output: Any, fsize_limit: int | N
     torch.set_num_threads(1)
     # tqdm's default lock is a multiprocessing semaphore, which a SIGKILLed child would leak.
     tqdm.set_lock(threading.RLock())
+    # Ignored even without a limit here: the parent may lower the limit later (prlimit).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if fsize_limit is not None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     if kill_point is not None:
         _install_kill_point(**kill_point)
@@ -340,12 +347,20 @@ def check_cache_file(root: Path, rel: Path, reference: Path) -> str | None:
 
 
 def check_checkpoint(run_dir: Path, name: str, reference_run: Path) -> str | None:
-    """Does checkpoint `name` of `run_dir` equal the reference run's? None if so, else why."""
-    from dflash.train.checkpoint import load_checkpoint
+    """Does checkpoint `name` of `run_dir` equal the reference run's? None if so, else why.
+
+    A checkpoint folder that misses a file is a problem when it is the newest (resume would
+    pick it); an older one is being deleted (or its deletion was interrupted, which resume
+    never sees): FileNotFoundError, for the caller to skip.
+    """
+    from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
 
     try:
         loaded = load_checkpoint(run_dir / "checkpoints" / name)
-    except FileNotFoundError:
+    except FileNotFoundError as error:
+        newest = latest_checkpoint(run_dir)
+        if (run_dir / "checkpoints" / name).is_dir() and newest is not None and newest.name == name:
+            return f"checkpoints/{name} is the newest checkpoint under a final name but misses a file: {error}"
         raise
     except Exception as error:  # noqa: BLE001
         return f"checkpoints/{name} is under its final name but does not load: {type(error).__name__}: {error}"
@@ -416,7 +431,7 @@ class FinalNameWatcher:
         if self.checkpoints:
             folder = self.root / "checkpoints"
             names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
-            return [Path(n) for n in names if re.fullmatch(r"step-\d{8}", n)]
+            return [Path("checkpoints", n) for n in names if re.fullmatch(r"step-\d{8}", n)]
         found = []
         for dirpath, _, filenames in os.walk(self.root):
             for name in filenames:
@@ -675,12 +690,12 @@ def trial_precompute_kill(ws: Workspace, rng: np.random.Generator, trial: int) -
             outcome.case = "killed after the manifest"
         else:
             outcome.case = "killed before any shard" if sealed == 0 else "killed mid-run"
-        outcome.notes.append(f"{sealed} shards sealed at the kill")
+        outcome.counts["shards sealed at the kills"] = sealed
         rerun = ws.launch("precompute", ws.precompute_args(out))
         if rerun.wait() != 0:
             outcome.problems.append(f"the rerun failed: {rerun.output[-2000:]}")
     outcome.problems += watch.problems
-    outcome.notes.append(f"{watch.opened} final-name files opened while the runs wrote")
+    outcome.counts["final-name files opened during the runs"] = watch.opened
     if not outcome.problems:
         outcome.problems += compare_caches(out, reference.cache)
     return [outcome]
@@ -735,6 +750,7 @@ def trial_fit_kill(ws: Workspace, rng: np.random.Generator, trial: int,
         if resumed.wait() != 0:
             outcome.problems.append(f"the resume failed: {resumed.output[-2000:]}")
     outcome.problems += watch.problems
+    outcome.counts["final-name checkpoints opened during the runs"] = watch.opened
     if not outcome.problems:
         outcome.problems += _same_final_run(out, reference)
     return [outcome]
@@ -748,12 +764,13 @@ def _left_checkpoints(run: Path, reference_run: Path) -> list[str]:
     """
     from dflash.train.checkpoint import list_checkpoints
 
-    found = list_checkpoints(run)
     problems = []
-    for index, path in enumerate(found):
-        problem = check_checkpoint(run, path.name, reference_run)
-        half_deleted = not all((path / n).exists() for n in ("model.safetensors", "optimizer.pt", "state.json"))
-        if problem and not (half_deleted and index < len(found) - 1):
+    for path in list_checkpoints(run):
+        try:
+            problem = check_checkpoint(run, path.name, reference_run)
+        except FileNotFoundError:
+            continue
+        if problem:
             problems.append(problem)
     return problems
 
@@ -779,8 +796,11 @@ def _same_final_run(run: Path, reference: FitReference) -> list[str]:
 
 
 def trial_disk_full(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
-    """A file-size limit in stage one, then in a checkpoint write; each then rerun."""
-    return [_disk_full_precompute(ws, rng, trial), _disk_full_checkpoint(ws, rng, trial)]
+    """Stage one under a file-size limit from the start, stage one whose limit drops to a few
+    KiB at a random instant (any write may be the one that fails: a shard, a record, the
+    manifest), and fit whose limit lands in a checkpoint write; each then rerun with space."""
+    return [_disk_full_precompute(ws, rng, trial), _disk_full_precompute(ws, rng, trial, mid_run=True),
+            _disk_full_checkpoint(ws, rng, trial)]
 
 
 def _clear_error(child: Child) -> str | None:
@@ -801,19 +821,32 @@ def _error_notes(child: Child) -> list[str]:
     return notes
 
 
-def _disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int) -> Outcome:
-    reference = ws.precompute_reference.cache
-    sizes = [p.stat().st_size for p in reference.rglob("*") if p.is_file()]
-    # Any file of the cache may be the one that hits the limit; the child's own output goes
-    # to a pipe, which the limit does not cover.
-    limit = int(rng.integers(16 * 1024, max(sizes)))
-    out = ws.trial_dir("disk-full-precompute", trial) / "cache"
-    outcome = Outcome(case="stage one")
-    watch = FinalNameWatcher(out, lambda rel: check_cache_file(out, rel, reference))
+def _disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int,
+                          mid_run: bool = False) -> Outcome:
+    reference = ws.precompute_reference
+    sizes = [p.stat().st_size for p in reference.cache.rglob("*") if p.is_file()]
+    out = ws.trial_dir("disk-full-precompute" + "-mid-run" * mid_run, trial) / "cache"
+    outcome = Outcome(case="stage one, disk fills mid-run" if mid_run else "stage one")
+    watch = FinalNameWatcher(out, lambda rel: check_cache_file(out, rel, reference.cache))
     with watch:
-        child = ws.launch("precompute", ws.precompute_args(out), fsize_limit=limit)
+        if mid_run:
+            child = ws.launch("precompute", ws.precompute_args(out))
+            _wait_for(lambda: (out / "shards").is_dir(), child)
+            time.sleep(float(rng.uniform(0.0, reference.write_s)))
+            limit = int(rng.integers(0, 4096))
+            try:  # from now on every file write past `limit` bytes fails
+                resource.prlimit(child.process.pid, resource.RLIMIT_FSIZE, (limit, limit))
+            except ProcessLookupError:
+                pass
+        else:
+            # Any file of the cache may be the one that hits the limit; the child's own output
+            # goes to a pipe, which the limit does not cover.
+            limit = int(rng.integers(16 * 1024, max(sizes)))
+            child = ws.launch("precompute", ws.precompute_args(out), fsize_limit=limit)
         code = child.wait()
-        if code == 0:
+        if code == 0 and mid_run:
+            outcome.case = "stage one, finished before the disk filled"
+        elif code == 0:
             outcome.problems.append(f"a {limit}-byte file limit did not stop the run")
         elif code < 0:
             outcome.problems.append(f"the run died of signal {-code} instead of failing with an error")
@@ -822,13 +855,27 @@ def _disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int) -
             if problem:
                 outcome.problems.append(problem)
             outcome.notes += _error_notes(child)
+            outcome.notes.append(f"limit hit in: {_where_it_failed(out)}")
         rerun = ws.launch("precompute", ws.precompute_args(out))
         if rerun.wait() != 0:
             outcome.problems.append(f"the rerun with space failed: {rerun.output[-2000:]}")
     outcome.problems += watch.problems
+    outcome.counts["final-name files opened during the runs"] = watch.opened
     if not outcome.problems:
-        outcome.problems += compare_caches(out, reference)
+        outcome.problems += compare_caches(out, reference.cache)
     return outcome
+
+
+def _where_it_failed(cache: Path) -> str:
+    """Which write a failed stage one was in, from the temporaries it left."""
+    left = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if is_temporary(p.relative_to(cache)))
+    if any(name.startswith("target.partial") for name in left):
+        return "the target folder"
+    if any(name.endswith(".arrow.tmp") for name in left):
+        return "a shard"
+    if any(name.endswith(".json.tmp") or name.endswith(".jsonl.tmp") for name in left):
+        return "a record or the manifest"
+    return "?"
 
 
 def _disk_full_checkpoint(ws: Workspace, rng: np.random.Generator, trial: int) -> Outcome:
@@ -1140,6 +1187,9 @@ def trial_bad_input(ws: Workspace, rng: np.random.Generator, trial: int,
         outcome.problems.append(f"the run crashed: {_describe(error)}")
         return [outcome]
     outcome.problems += _account(root / "cache", data, lines)
+    outcome.counts["records"] = len(lines)
+    outcome.counts["malformed records"] = sum(kind != "good" for kind, _ in lines)
+    outcome.counts["rejected"] = len((root / "cache" / "rejected.jsonl").read_text().splitlines())
     return [outcome]
 
 
@@ -1224,6 +1274,8 @@ def _numeric_checks(run: Path, schedule: dict[int, str], sequences: dict[int, li
 
     problems = []
     checkpoints = {int(p.name[5:]): p for p in list_checkpoints(run)}
+    if not checkpoints:
+        problems.append("no checkpoint to check")
     loaded = {}
     for step, path in sorted(checkpoints.items()):
         loaded[step] = load_checkpoint(path)
@@ -1274,6 +1326,7 @@ def _numeric_isolated(ws: Workspace, rng: np.random.Generator, trial: int) -> Ou
     except Exception as error:  # noqa: BLE001
         outcome.problems.append(f"the run did not complete: {_describe(error)}")
     outcome.problems += _numeric_checks(run, schedule, sequences)
+    outcome.counts["poisoned steps"] = len(schedule)
     return outcome
 
 
@@ -1298,6 +1351,7 @@ def _numeric_persistent(ws: Workspace, rng: np.random.Generator, trial: int) -> 
     except Exception as error:  # noqa: BLE001
         outcome.problems.append(f"the run failed otherwise: {_describe(error)}")
     outcome.problems += _numeric_checks(run, schedule, sequences)
+    outcome.counts["poisoned steps"] = len(sequences) - start + 1
     return outcome
 
 
@@ -1493,7 +1547,7 @@ def run_faults(config: FaultsConfig, log: Callable[[str], None] = lambda s: None
     try:
         for name in config.classes:
             class_began = time.perf_counter()
-            entry = {"trials": 0, "failures": 0, "cases": {}, "notes": {}, "failed": []}
+            entry = {"trials": 0, "failures": 0, "cases": {}, "notes": {}, "counts": {}, "failed": []}
             for trial in range(config.first_trial, config.first_trial + config.trials):
                 outcomes = run_trial(ws, name, config.seed, trial)
                 entry["trials"] += 1
@@ -1503,8 +1557,10 @@ def run_faults(config: FaultsConfig, log: Callable[[str], None] = lambda s: None
                     runs, fails = entry["cases"].get(outcome.case, (0, 0))
                     entry["cases"][outcome.case] = (runs + 1, fails + bool(outcome.problems))
                     for note in outcome.notes:
-                        if note.startswith(("undetected", "reported as", "refused:", "error:")):
+                        if note.startswith(COUNTED_NOTES):
                             entry["notes"][note] = entry["notes"].get(note, 0) + 1
+                    for quantity, value in outcome.counts.items():
+                        entry["counts"][quantity] = entry["counts"].get(quantity, 0) + value
                 for outcome in failed:
                     entry["failed"].append({"trial": trial, "case": outcome.case,
                                             "problems": outcome.problems, "notes": outcome.notes})
@@ -1533,6 +1589,8 @@ def format_table(result: dict) -> str:
     for name, entry in result["classes"].items():
         cases = ", ".join(f"{case} {runs}/{fails}" for case, (runs, fails) in sorted(entry["cases"].items()))
         lines.append(f"{name:<18} {entry['trials']:>6} {entry['failures']:>8} {entry['wall_s']:>6.0f}s  {cases}")
+        if entry["counts"]:
+            lines.append(f"{'':<44}" + ", ".join(f"{k} {v}" for k, v in entry["counts"].items()))
         for note, count in sorted(entry["notes"].items()):
             lines.append(f"{'':<44}{count} x {note}")
     lines.append("-" * 100)

@@ -99,6 +99,29 @@ def test_a_half_written_checkpoint_under_a_final_name_is_caught(ws, tmp_path):
     assert "does not load" in faults._left_checkpoints(run, reference)[0]
 
 
+def test_a_half_written_checkpoint_seen_while_a_run_writes_is_caught(ws, tmp_path):
+    reference = ws.fit_reference.run
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    source = reference / "checkpoints" / "step-00000004"
+
+    def write_in_halves() -> None:  # a final name first, then its files: what writers must not do
+        final = run / "checkpoints" / "step-00000004"
+        final.mkdir()
+        for path in sorted(source.iterdir()):
+            time.sleep(0.1)
+            shutil.copyfile(path, final / path.name)
+
+    watch = faults.FinalNameWatcher(run, lambda rel: faults.check_checkpoint(run, rel.name, reference),
+                                    checkpoints=True)
+    with watch:
+        writer = threading.Thread(target=write_in_halves)
+        writer.start()
+        writer.join()
+    assert watch.opened >= 2 and any("misses a file" in p for p in watch.problems), watch.problems
+    assert faults.check_checkpoint(run, "step-00000004", reference) is None  # complete in the end
+
+
 def test_a_different_row_is_caught(ws, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(ws.training_cache, cache)
