@@ -468,6 +468,7 @@ class PrecomputeReference:
     cache: Path
     write_s: float
     """Seconds from the shards folder appearing to the manifest appearing."""
+    num_shards: int
 
 
 @dataclass
@@ -546,7 +547,8 @@ class Workspace:
         code = child.wait()
         if code != 0:
             raise RuntimeError(f"the reference dflash-precompute run failed ({code}):\n{child.output[-3000:]}")
-        return PrecomputeReference(cache=out, write_s=write_s)
+        return PrecomputeReference(cache=out, write_s=write_s,
+                                   num_shards=len(list((out / "shards").glob("*.arrow"))))
 
     # -- stage two --------------------------------------------------------------------------
 
@@ -668,17 +670,27 @@ def compare_caches(cache_dir: Path, reference_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- 1. precompute-kill
 
 
+def _random_instant(reference: PrecomputeReference, rng: np.random.Generator, out: Path,
+                    child: Child) -> None:
+    """Return at a random instant of stage one's writing: after a random number of sealed
+    shards (0 to all), plus up to one shard's time. Progress, not the clock, places it, so
+    the instant falls inside the run however loaded the machine is."""
+    sealed = int(rng.integers(0, reference.num_shards + 1))
+    jitter_s = float(rng.uniform(0.0, reference.write_s / reference.num_shards))
+    shards = out / "shards"
+    _wait_for(lambda: shards.is_dir() and len(list(shards.glob("*.arrow"))) >= sealed, child)
+    time.sleep(jitter_s)
+
+
 def trial_precompute_kill(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
-    """SIGKILL dflash-precompute a random time after its writer opened, rerun, compare."""
+    """SIGKILL dflash-precompute at a random instant of its writing, rerun, compare."""
     reference = ws.precompute_reference
     out = ws.trial_dir("precompute-kill", trial) / "cache"
-    delay_s = float(rng.uniform(0.0, reference.write_s))
     outcome = Outcome(case="kill")
     watch = FinalNameWatcher(out, lambda rel: check_cache_file(out, rel, reference.cache))
     with watch:
         child = ws.launch("precompute", ws.precompute_args(out))
-        _wait_for(lambda: (out / "shards").is_dir(), child)
-        time.sleep(delay_s)
+        _random_instant(reference, rng, out, child)
         killed = child.kill()
         code = child.wait()
         sealed = len(list((out / "shards").glob("*.arrow")))
@@ -831,8 +843,7 @@ def _disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int,
     with watch:
         if mid_run:
             child = ws.launch("precompute", ws.precompute_args(out))
-            _wait_for(lambda: (out / "shards").is_dir(), child)
-            time.sleep(float(rng.uniform(0.0, reference.write_s)))
+            _random_instant(reference, rng, out, child)
             limit = int(rng.integers(0, 4096))
             try:  # from now on every file write past `limit` bytes fails
                 resource.prlimit(child.process.pid, resource.RLIMIT_FSIZE, (limit, limit))
