@@ -43,6 +43,8 @@ def main() -> None:
 @click.option("--eval-fraction", type=float, help="Fraction of sequences held out [0.01].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device [auto].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype [auto].")
+@click.option("--save-initial", is_flag=True, default=None,
+              help="Also checkpoint the untrained drafter as step 0 (a baseline for eval).")
 @click.option("--wandb/--no-wandb", default=None, help="Log to Weights & Biases (offline unless configured) [on].")
 def fit(config_file, decay_gamma, **options) -> None:
     """Train the drafter from one or more caches (resumes when RUN holds a checkpoint)."""

@@ -19,7 +19,7 @@ LOSSES = ("kl", "ce", "kl+ce")
 # Fields a resumed run may change: they affect bookkeeping, not the numbers.
 RESUMABLE_CHANGES = frozenset({
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
-    "max_consecutive_skips", "attention",
+    "max_consecutive_skips", "attention", "save_initial",
 })
 
 
@@ -93,6 +93,8 @@ class FitConfig:
     """W&B project name."""
     log_every: int = 10
     """Steps between console lines (metrics.jsonl gets every step)."""
+    save_initial: bool = False
+    """Also checkpoint the untrained drafter as step 0, a baseline for `dflash-train eval`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, (str, Path)):

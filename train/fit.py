@@ -177,6 +177,8 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
 
     # -- the loop ----------------------------------------------------------------------
     pending = None  # the next step's (batch, layout), read while the device computes
+    if config.save_initial and step == 0:
+        save_checkpoint()
     try:
         while step < total_steps:
             t_start = time.perf_counter()
