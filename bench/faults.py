@@ -499,9 +499,19 @@ class Workspace:
     @property
     def context(self) -> Any:
         if self._context is None:
-            os.environ.update(CHILD_ENV)
+            from multiprocessing import forkserver
+
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(PRELOAD)
+            # The forkserver imports torch with the children's environment; this process
+            # keeps its own (the children set CHILD_ENV again themselves).
+            saved = dict(os.environ)
+            os.environ.update(CHILD_ENV)
+            try:
+                forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
         return self._context
 
     def launch(self, command: str, args: list[str], **kwargs) -> Child:
