@@ -58,7 +58,7 @@ def main(as_json: bool, **options) -> None:
     try:
         config = PrecomputeConfig(**options)
         summary = run_precompute(config)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # bad options or inputs; a full or missing disk
         raise click.ClickException(str(error)) from None
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the summary
         click.echo(json.dumps(summary.to_dict()) if as_json else summary.format())

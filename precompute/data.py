@@ -4,8 +4,9 @@ chat template and mark the assistant tokens.
 Readers stream `InputRecord`s from JSONL, JSON, Parquet or a `datasets` directory, each
 with a source `{"file", "index"}` that names it in rejected.jsonl and in the cache (for
 JSONL the index is the 0-based line number; elsewhere the 0-based record position).
-A line that is not JSON is an `InputRecord` with an `error`, never an exception, so one bad
-line costs one record.
+A JSONL line that is not UTF-8 or not JSON (or nests too deeply to parse) is an
+`InputRecord` with an `error`, never an exception, so one bad line costs one record;
+strings holding lone surrogates (possible through JSON escapes) are rejected too.
 
 `normalize_record` accepts four shapes and turns each into either a list of
 `{"role", "content"}` messages or a plain text:
@@ -120,14 +121,23 @@ def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
 
 
 def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for index, line in enumerate(f):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            if not raw.strip():
                 continue  # blank lines are not records
-            try:
-                yield InputRecord(name, index, json.loads(line))
-            except json.JSONDecodeError as e:
-                yield InputRecord(name, index, None, f"invalid JSON: {e.msg}")
+            yield _parse_line(raw, name, index)
+
+
+def _parse_line(raw: bytes, name: str, index: int) -> InputRecord:
+    """One JSONL line as a record, or as an error that rejects just this line."""
+    try:
+        return InputRecord(name, index, json.loads(raw.decode("utf-8")))
+    except UnicodeDecodeError as e:
+        return InputRecord(name, index, None, f"invalid UTF-8 at byte {e.start}")
+    except json.JSONDecodeError as e:
+        return InputRecord(name, index, None, f"invalid JSON: {e.msg}")
+    except RecursionError:
+        return InputRecord(name, index, None, "invalid JSON: nested too deeply to parse")
 
 
 def _iter_json(path: Path, name: str) -> Iterator[InputRecord]:
@@ -140,6 +150,8 @@ def _iter_json(path: Path, name: str) -> Iterator[InputRecord]:
             yield from _iter_jsonl(path, name)
             return
         raise ValueError(f"--data {path}: not valid JSON ({e}); fix the file or use JSONL") from e
+    except RecursionError:
+        raise ValueError(f"--data {path}: JSON nested too deeply to parse; use JSONL") from None
     if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
         data = list(data.values())  # {id: record} mappings, in file order
     if not isinstance(data, list):
@@ -241,6 +253,7 @@ def _message(item: Any, i: int, field: str, role_key: str, content_key: str) -> 
     role = item.get(role_key)
     if not isinstance(role, str):
         raise RecordError(f"{field}[{i}] has no '{role_key}'")
+    _check_unicode(role, f"{field}[{i}].{role_key}")
     if field == "conversations":
         if role.lower() not in ROLE_ALIASES:
             raise RecordError(f"{field}[{i}].from is {role!r}, expected one of {sorted(ROLE_ALIASES)}")
@@ -250,12 +263,21 @@ def _message(item: Any, i: int, field: str, role_key: str, content_key: str) -> 
 
 def _text(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _check_unicode(value, where)
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)  # OpenAI-style text parts
+        return _check_unicode("".join(str(p.get("text", "")) for p in value), where)  # OpenAI-style parts
     if value is None:
         raise RecordError(f"field '{where}' is missing")
     raise RecordError(f"field '{where}' must be a string, got {type(value).__name__}")
+
+
+def _check_unicode(text: str, where: str) -> str:
+    """JSON escapes can encode lone surrogates (`"\\ud800"`), which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RecordError(f"field '{where}' holds invalid Unicode (a lone surrogate at character {e.start})") from None
+    return text
 
 
 # ----------------------------------------------------------------------------- encoding

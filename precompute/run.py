@@ -565,8 +565,8 @@ def _compute(config, target, encoder, writer, done, mine, stats) -> None:
                     stats.written_tokens += len(item.encoded.input_ids)
                     stats.truncated += item.encoded.truncated
                     written += 1
-            bar.update(sum(len(items[i].encoded.input_ids) for i in batch if items[i].key not in done))
             bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq", refresh=False)
+            bar.update(sum(len(items[i].encoded.input_ids) for i in batch if items[i].key not in done))
 
 
 def _regenerate(config, target, encoder, writer, done, members: list[_Item], stats) -> list[_Item]:

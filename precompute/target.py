@@ -4,9 +4,8 @@ chunked top-k, batched generation, and the `CACHE/target/` folder stage two read
 Forward. Forward hooks on the chosen decoder layers keep only those layers' outputs (never
 `output_hidden_states`, which holds every layer alive). The base model's last hidden state
 goes through the LM head one chunk of positions at a time: logits in the model's dtype,
-widened to fp32, then `torch.topk` of the logits minus their fp32 log-sum-exp (the top-k of
-the log-softmax without writing the log-softmax), so neither a [batch, T, V] logits tensor
-nor an fp32 copy of it ever exists, and only real (non-padding) positions are computed. Whether
+then log-softmax in fp32 and `torch.topk`, so neither a [batch, T, V] logits tensor nor an
+fp32 copy of it ever exists, and only real (non-padding) positions are computed. Whether
 the LM head applied to the base model's output reproduces the model's own logits is
 checked once at load on a short probe (a model with logit soft-capping or scaling fails
 it); such a model falls back to its own full forward, still with the fp32 work chunked.
@@ -244,12 +243,11 @@ class Target:
         rows_per_chunk = max(1, TOPK_CHUNK_BYTES // (4 * self.vocab_size))
         for lo in range(0, total, rows_per_chunk):
             rows = slice(lo, min(lo + rows_per_chunk, total))
-            # log_softmax = logits - logsumexp(logits): the top-k of the logits are the top-k
-            # of the log-probs, so the [n, V] log-probs are never written out.
-            logits = logits_of(rows).float()  # [n, V] fp32
-            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
-            values, indices = torch.topk(logits, self.top_k, dim=-1)  # [n, k]
-            topk_logprobs[rows], topk_ids[rows] = values - log_norm, indices.int()
+            # One fused log_softmax then topk: on CPU this beats topk(logits) - logsumexp
+            # (whose exp pass is slower than log_softmax's), and the chunk bounds the memory.
+            logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)  # [n, V] fp32
+            values, indices = torch.topk(logprobs, self.top_k, dim=-1)  # [n, k]
+            topk_logprobs[rows], topk_ids[rows] = values, indices.int()
         if not torch.isfinite(topk_logprobs).all():
             row = int((~torch.isfinite(topk_logprobs)).any(1).nonzero()[0])
             raise ValueError(f"{names[_owner(starts, row)]}: non-finite target log-probability at "

@@ -48,6 +48,14 @@ def test_jsonl_reader_indexes_lines_and_reports_bad_json(tmp_path):
     assert records[0].source == {"file": str(path), "index": 0}
 
 
+def test_jsonl_reader_rejects_lines_it_cannot_parse(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "caf\xff"}\n' + b"[" * 200_000 + b'\n{"text": "ok"}\n')
+    records = list(iter_records([path]))
+    assert [(r.index, r.error) for r in records] == [
+        (0, "invalid UTF-8 at byte 13"), (1, "invalid JSON: nested too deeply to parse"), (2, None)]
+
+
 def test_json_parquet_and_datasets_readers_agree(tmp_path):
     import datasets
     import pyarrow as pa
@@ -120,6 +128,9 @@ def test_normalize_record_shapes(record, expected):
     ({"prompt": "q"}, "'response' is missing"),
     ({"prompt": "q", "response": 3}, "must be a string"),
     ({"text": ""}, "empty"),
+    ({"text": "x\udfffy"}, r"'text' holds invalid Unicode \(a lone surrogate at character 1\)"),
+    ({"messages": [{"role": "user\ud800", "content": "q"}]}, "invalid Unicode"),
+    ({"prompt": "\ud83d", "response": "ok"}, "invalid Unicode"),
 ])
 def test_normalize_record_rejects_with_reason(record, reason):
     with pytest.raises(RecordError, match=reason):
