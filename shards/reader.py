@@ -242,8 +242,13 @@ def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -
         )
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-    except pa.ArrowException as error:
-        raise ValueError(f"{path} is not a readable Arrow file ({error}); re-run dflash-precompute") from error
+    except (pa.ArrowException, OSError) as error:
+        # pyarrow reports a damaged footer as a plain OSError ("Verification of
+        # flatbuffer-encoded Footer failed"), not an ArrowException: both mean a broken shard.
+        raise ValueError(
+            f"{path} is not a readable Arrow file ({error}): the shard is damaged; run "
+            "`dflash-shards verify` on the cache and re-run dflash-precompute to rebuild it"
+        ) from error
     metadata = reader.schema.metadata or {}
     version = metadata.get(rows.VERSION_KEY)
     check_format_version(int(version) if version is not None and version.isdigit() else version, str(path))

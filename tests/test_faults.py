@@ -27,8 +27,6 @@ F_RECURSION = pytest.mark.xfail(strict=True, reason="deeply nested JSON line: Re
                                 "dflash-precompute (precompute/data.py _iter_jsonl)")
 F_SURROGATE = pytest.mark.xfail(strict=True, reason="lone surrogate escape: the tokenizer's TypeError "
                                 "crashes dflash-precompute (precompute/data.py _text)")
-F_FOOTER = pytest.mark.xfail(strict=True, reason="damaged Arrow footer: open_shard lets pyarrow's OSError "
-                             "through, verify crashes (shards/reader.py)")
 F_CHECK_ROWS = pytest.mark.xfail(strict=True, reason="fit opens caches with check_rows=False: flipped "
                                  "bits are trained on silently (train/fit.py)")
 F_FOREIGN = pytest.mark.xfail(strict=True, reason="a shard from another cache of the same configuration "
@@ -161,7 +159,7 @@ def test_disk_full_in_a_checkpoint_write(ws):
 CORRUPTIONS = [
     "truncated shard", "missing shard", "bit flips in a shard",
     pytest.param("bit flip in row data", marks=F_CHECK_ROWS),
-    pytest.param("footer damage", marks=F_FOOTER),
+    "footer damage",
     pytest.param("shard from another cache", marks=F_FOREIGN),
 ]
 
