@@ -61,27 +61,33 @@ def reference(model, input_ids: np.ndarray, layer_ids: list[int], top_k: int):
     and torch.topk of the fp32 log-softmax [T, k]."""
     with torch.no_grad():
         out = model(torch.as_tensor(input_ids, dtype=torch.long)[None], output_hidden_states=True)
-    features = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1)
+    features = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1).float()
     values, ids = torch.topk(torch.log_softmax(out.logits[0].float(), dim=-1), top_k)
     return features.numpy(), ids.numpy(), values.numpy()
 
 
 CASES = {
-    # kind, explicit layer ids (None: the DFlash rule), feature codec, top-k codec
-    "qwen3-auto-bf16-raw": ("qwen3", None, "bf16", "raw"),
-    "llama-tied-fp8-packed": ("llama", [0, 2], "fp8", "packed"),
+    # kind, explicit layer ids (None: the DFlash rule), feature codec, top-k codec, dtype
+    "qwen3-auto-bf16-raw": ("qwen3", None, "bf16", "raw", "float32"),
+    "llama-tied-fp8-packed": ("llama", [0, 2], "fp8", "packed", "float32"),
+    # The GPU default: the target in bf16, features handed over as bf16 bits.
+    "qwen3-bf16-target": ("qwen3", None, "bf16", "raw", "bfloat16"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cache_holds_what_a_direct_forward_computes(targets, data, tmp_path, case):
-    kind, layer_ids, feature_codec, topk_codec = CASES[case]
+    kind, layer_ids, feature_codec, topk_codec, dtype = CASES[case]
+    # In bf16 the rounding depends on the batch's shape: one sequence per batch there.
+    batch_tokens = 1 if dtype == "bfloat16" else 300
     summary = run_precompute(config(targets[kind], data, tmp_path / "cache", feature_layers=layer_ids,
-                                    feature_codec=feature_codec, topk_codec=topk_codec))
+                                    feature_codec=feature_codec, topk_codec=topk_codec, dtype=dtype,
+                                    batch_tokens=batch_tokens))
     cache = open_cache(tmp_path / "cache")
     assert len(cache) == summary.num_sequences == len(RECORDS)
     assert summary.rejected == {}
-    model = AutoModelForCausalLM.from_pretrained(targets[kind], dtype=torch.float32).eval()
+    assert cache.spec.target["dtype"] == dtype
+    model = AutoModelForCausalLM.from_pretrained(targets[kind], dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(targets[kind])
     encoder = ChatEncoder(tokenizer, max_length=3072)
     expected_layers = layer_ids or [1, 2, 3]  # the DFlash rule for 6 layers, 3 features
@@ -92,6 +98,11 @@ def test_cache_holds_what_a_direct_forward_computes(targets, data, tmp_path, cas
         np.testing.assert_array_equal(seq.input_ids, encoded.input_ids)
         np.testing.assert_array_equal(seq.loss_mask, encoded.loss_mask)
         features, ids, logprobs = reference(model, seq.input_ids, expected_layers, 8)
+        if dtype == "bfloat16":  # bf16 features pass through bit for bit
+            np.testing.assert_array_equal(seq.features, features)
+            np.testing.assert_array_equal(seq.topk_ids, ids)
+            np.testing.assert_allclose(seq.topk_logprobs, logprobs, atol=1e-5)
+            continue
         # Codec bounds: bf16 rounds to 8 significant bits (relative 2^-9); fp8 e4m3 keeps 4
         # (relative 2^-4) with a per-(token, layer) scale, plus its subnormal step of
         # max|x| * 2^-9 / 448 * 448 = max|x| * 2^-9.
@@ -113,6 +124,7 @@ def test_cache_holds_what_a_direct_forward_computes(targets, data, tmp_path, cas
     assert info["tie_word_embeddings"] == (kind == "llama")
     assert info["vocab_size"] == cache.spec.vocab_size
     head = load_file(tmp_path / "cache" / "target" / "head.safetensors")
+    assert head["lm_head.weight"].dtype == getattr(torch, dtype) and info["dtype"] == dtype
     torch.testing.assert_close(head["embed_tokens.weight"], model.get_input_embeddings().weight.detach())
     torch.testing.assert_close(head["lm_head.weight"], model.get_output_embeddings().weight.detach())
     assert AutoTokenizer.from_pretrained(tmp_path / "cache" / "target").chat_template == tokenizer.chat_template
