@@ -27,8 +27,6 @@ F_RECURSION = pytest.mark.xfail(strict=True, reason="deeply nested JSON line: Re
                                 "dflash-precompute (precompute/data.py _iter_jsonl)")
 F_SURROGATE = pytest.mark.xfail(strict=True, reason="lone surrogate escape: the tokenizer's TypeError "
                                 "crashes dflash-precompute (precompute/data.py _text)")
-F_CHECK_ROWS = pytest.mark.xfail(strict=True, reason="fit opens caches with check_rows=False: flipped "
-                                 "bits are trained on silently (train/fit.py)")
 F_FOREIGN = pytest.mark.xfail(strict=True, reason="a shard from another cache of the same configuration "
                               "is read and trained on: rows' crc32 are not in the manifest (shards)")
 F_MANIFEST_FIELD = pytest.mark.xfail(strict=True, reason="a manifest missing a field raises KeyError/"
@@ -158,7 +156,7 @@ def test_disk_full_in_a_checkpoint_write(ws):
 
 CORRUPTIONS = [
     "truncated shard", "missing shard", "bit flips in a shard",
-    pytest.param("bit flip in row data", marks=F_CHECK_ROWS),
+    "bit flip in row data",
     "footer damage",
     pytest.param("shard from another cache", marks=F_FOREIGN),
 ]
