@@ -247,3 +247,12 @@ def test_resumed_logger_drops_steps_past_the_checkpoint(tmp_path):
     RunLogger(tmp_path, enabled=True, resume_step=5).close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5]
+
+
+def test_fresh_logger_drops_steps_of_an_attempt_without_checkpoint(tmp_path):
+    """A restart with no checkpoint redoes steps 1..k: their old lines must not stay (fault F8)."""
+    from dflash.train.logging import RunLogger
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 4)))
+    RunLogger(tmp_path, enabled=True).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

@@ -146,7 +146,8 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
 
     writer = CheckpointWriter(run_dir, config.keep_checkpoints) if is_main else None
-    logger = RunLogger(run_dir, enabled=is_main, resume_step=step if resume_from else None,
+    # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
+    logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
                        wandb_config={**config.to_dict(), "drafter": drafter_config.to_dict()}
                        if config.wandb else None, wandb_project=config.wandb_project)
     logger.event("resume" if resume_from else "start", step=step,

@@ -5,7 +5,9 @@ Only rank 0 logs. `RUN/metrics.jsonl` gets one line per step with exactly `STEP_
 durations, held-out evaluations, skips, stop). W&B gets the same step keys (per-position
 accuracies as `accuracy/k`) and the events' numbers; it runs offline unless `WANDB_MODE`
 says otherwise. Files are appended and flushed per line, so a crash loses at most the line
-being written; on resume, step lines past the checkpoint are dropped (they are redone).
+being written; at every start, step lines past the step the run starts from are dropped
+(they are redone): past the checkpoint on resume, all of them on a fresh start over an earlier
+attempt that left no checkpoint, so metrics.jsonl never holds a step twice.
 
 The console line cannot be misread: the epoch is 1-based out of the total with the
 fraction done inside it, the step is global out of the total:
@@ -78,14 +80,16 @@ class RunLogger:
     """metrics.jsonl + events.jsonl + optional W&B, on rank 0 (a no-op elsewhere)."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, wandb_config: dict | None = None,
-                 wandb_project: str = "dflash", resume_step: int | None = None):
+                 wandb_project: str = "dflash", resume_step: int = 0):
+        """resume_step: the step training starts from (the checkpoint's, 0 for a fresh start);
+        metrics.jsonl lines past it, left by an earlier attempt, are dropped."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = None
         if not enabled:
             return
         metrics = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and metrics.exists():
+        if metrics.exists():
             _truncate_after(metrics, resume_step)
         self._metrics = open(metrics, "a", buffering=1)
         self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
@@ -128,7 +132,7 @@ class RunLogger:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Keep the step lines up to `step` (the resumed checkpoint); rewrite atomically."""
+    """Keep the step lines up to `step` (where the run starts); rewrite atomically."""
     kept = []
     for line in path.read_text().splitlines():
         try:
