@@ -1179,7 +1179,7 @@ BAD_INPUT_KINDS: dict[str, tuple[str, Callable[[np.random.Generator], bytes]]] =
     "huge line": ("either", lambda rng: json.dumps(
         {"messages": [{"role": "user", "content": "hello " * int(rng.integers(1, 40_000))},
                       {"role": "assistant", "content": "fine " * int(rng.integers(1, 40_000))}]}).encode()),
-    "invalid UTF-8": ("either", lambda rng: b'{"messages": [{"role": "user", "content": "caf'
+    "invalid UTF-8": ("reject", lambda rng: b'{"messages": [{"role": "user", "content": "caf'
                       + rng.bytes(3).replace(b'"', b"\xff").replace(b"\\", b"\xfe").replace(b"\n", b"\xfd")
                       + b'\xff"}, {"role": "assistant", "content": "ok"}]}'),
     "lone surrogate": ("reject", lambda rng: json.dumps(_pick(rng, [
