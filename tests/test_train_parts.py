@@ -112,7 +112,8 @@ def test_checkpoint_writer_error_is_raised_in_the_caller(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_module.torch, "save", broken)
     writer = CheckpointWriter(tmp_path, keep=2)
     writer.save(1, model.state_dict(), optimizer.state_dict(), {})
-    with pytest.raises(RuntimeError, match="checkpoint writer failed: disk full"):
+    with pytest.raises(RuntimeError, match=r"checkpoint writer failed: cannot write checkpoint file "
+                                           r"optimizer\.pt of .*step-00000001: disk full"):
         writer.wait()
     assert latest_checkpoint(tmp_path) is None  # the half-written folder is never listed
 
@@ -256,3 +257,25 @@ def test_fresh_logger_drops_steps_of_an_attempt_without_checkpoint(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 4)))
     RunLogger(tmp_path, enabled=True).close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_failed_checkpoint_write_names_the_file_and_cause(tmp_path, monkeypatch):
+    """A full disk in a checkpoint write: an OSError naming the file and the cause, raised in
+    the training loop, and no folder left under any name (fault F7)."""
+    import errno
+
+    def full_disk(obj, path):
+        path.write_bytes(b"partial")
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:  # torch.save reports it as its own RuntimeError, the OSError as context
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 72256 vs 72144")
+
+    monkeypatch.setattr(checkpoint_module, "_torch_save", full_disk)
+    writer = CheckpointWriter(tmp_path, keep=2)
+    writer.save(3, {"w": torch.ones(4)}, {"state": {}, "param_groups": []}, {})
+    with pytest.raises(OSError, match=r"optimizer\.pt of .*step-00000003: No space left on device; "
+                                      r"check the free space") as caught:
+        writer.wait()
+    assert caught.value.errno == errno.ENOSPC
+    assert list((tmp_path / "checkpoints").iterdir()) == []

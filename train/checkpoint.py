@@ -7,7 +7,10 @@ optimizer.pt, state.json), fsyncs every file and the folder, renames it to `step
 and fsyncs the parent: a crash at any instant leaves either the previous set of complete
 checkpoints or the new one, never a readable half. Then it deletes all but the newest
 `keep` complete checkpoints. A failure in the thread is raised in the training loop on the
-next `check()` / `save()` / `close()`.
+next `check()` / `save()` / `close()`. A failed file write (a full disk, a file-size limit)
+is reported as an OSError naming the file and the system's cause, which torch.save itself
+hides behind "[enforce fail at inline_container.cc] unexpected pos"; the temporary folder is
+deleted, so nothing partial is left under any name.
 
 Loading reads the weights with safetensors and the optimizer state with
 `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
@@ -16,6 +19,7 @@ A save while the previous write is still running waits for it (logged as `wait_s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -63,6 +67,8 @@ class CheckpointWriter:
         """Raise the writer thread's exception, if it failed."""
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, OSError):  # already names the file and the cause
+                raise OSError(error.errno, f"checkpoint writer failed: {error.strerror}") from error
             raise RuntimeError(f"checkpoint writer failed: {error}") from error
 
     def pop_finished(self) -> list[CheckpointEvent]:
@@ -132,13 +138,19 @@ class CheckpointWriter:
             tmp.mkdir()
             from safetensors.torch import save_file
 
-            save_file(model_host, str(tmp / "model.safetensors"))
-            torch.save(optimizer_host, tmp / "optimizer.pt")
-            (tmp / "state.json").write_text(json.dumps(payload, indent=1, sort_keys=True))
+            writes = {
+                "model.safetensors": lambda path: save_file(model_host, str(path)),
+                "optimizer.pt": lambda path: _torch_save(optimizer_host, path),
+                "state.json": lambda path: path.write_text(json.dumps(payload, indent=1, sort_keys=True)),
+            }
+            for file_name, write in writes.items():
+                with _naming_failure(tmp / file_name, final):
+                    write(tmp / file_name)
             size = 0
-            for path in tmp.iterdir():
-                size += path.stat().st_size
-                _fsync_file(path)
+            for path in sorted(tmp.iterdir()):  # fsync after every write, so a kill can land between
+                with _naming_failure(path, final):
+                    size += path.stat().st_size
+                    _fsync_file(path)
             _fsync_dir(tmp)
             if final.exists():  # a rerun that reached the same step again: replace it
                 shutil.rmtree(final)
@@ -150,7 +162,52 @@ class CheckpointWriter:
             with self._lock:
                 self._finished.append(event)
         except BaseException as error:  # re-raised in the training loop by check()
+            # A failed write leaves its temporary folder: delete it (it may hold the space a
+            # rerun needs); it never had a final name.
+            shutil.rmtree(self.root / f".step-{step:08d}.tmp", ignore_errors=True)
             self._error = error
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save, which on a failed write drops the system's error ("[enforce fail at
+    inline_container.cc] unexpected pos"): on such a failure it writes again through a Python
+    file, whose OSError (EFBIG, ENOSPC: the disk is still full) then rides along as torch's
+    error's context; a transient failure is simply healed by the second write."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+
+
+@contextlib.contextmanager
+def _naming_failure(path: Path, final: Path):
+    """Turn any failure while writing `path` into an error naming the file and the cause."""
+    try:
+        yield
+    except Exception as error:
+        cause = _os_error_of(error)
+        where = f"cannot write checkpoint file {path.name} of {final}"
+        hint = (f"check the free space and the file-size limit (ulimit -f) of {final.parent}, "
+                "then rerun: training resumes from the last complete checkpoint")
+        if cause is not None:
+            raise OSError(cause.errno, f"{where}: {cause.strerror}; {hint}") from error
+        raise RuntimeError(f"{where}: {error} (a short write: often a full disk); {hint}") from error
+
+
+def _os_error_of(error: BaseException) -> OSError | None:
+    """The OSError behind a write failure: the error itself, one in its cause/context chain
+    (torch.save through a Python file), or the `os error N` in a safetensors message."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    match = re.search(r"os error (\d+)\)", str(error))
+    if match:
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code))
+    return None
 
 
 def _fsync_file(path: Path) -> None:

@@ -63,7 +63,9 @@ def fit(config_file, decay_gamma, **options) -> None:
         raise click.UsageError(str(error)) from None
     try:
         result = run_fit(config)
-    except SpikeStop as error:
+    except (SpikeStop, OSError) as error:
+        # A full disk or a file-size limit (an OSError naming the file and the cause) is one
+        # line, not a traceback.
         raise click.ClickException(str(error)) from None
     click.echo(f"done: {result.step}/{result.total_steps} steps; checkpoint {result.checkpoint}")
 
