@@ -101,25 +101,54 @@ class Cache:
         try:
             with open(manifest_path) as f:
                 manifest = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{manifest_path} is not valid JSON ({error})") from error
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(
+                f"{manifest_path} is not valid JSON ({error}); rebuild the cache (re-run "
+                "dflash-precompute into it) or restore manifest.json from a copy"
+            ) from error
         if not isinstance(manifest, dict) or manifest.get("format") != "dflash-cache":
             raise ValueError(f"{manifest_path} is not a dflash cache manifest")
         check_format_version(manifest.get("format_version"), str(manifest_path))
         self.manifest = manifest
-        self.spec = CacheSpec.from_dict(manifest["spec"])
-        self.shards = manifest["shards"]
+        check = _ManifestFields(manifest_path)
+        spec = check.field(manifest, "spec", dict)
+        try:
+            self.spec = CacheSpec.from_dict(spec)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{manifest_path}: field spec is not a valid cache spec ({error}); the manifest is "
+                f"damaged or from another dflash: {check.remedy}"
+            ) from error
+        self.shards = check.field(manifest, "shards", list)
+        for i, entry in enumerate(self.shards):
+            if not isinstance(entry, dict):
+                raise ValueError(f"{manifest_path}: field shards[{i}] must be an object; the manifest "
+                                 f"is damaged: {check.remedy}")
+            for key, kind in _SHARD_FIELDS.items():
+                check.field(entry, key, kind, f"shards[{i}].{key}")
         self.shard_paths = [_inside(self.root, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
-        self.target_dir = _inside(self.root, manifest["target_dir"], "target_dir")
-        self.rejected_path = _inside(self.root, manifest["rejected"], "rejected")
+        self.target_dir = _inside(self.root, check.field(manifest, "target_dir", str), "target_dir")
+        self.rejected_path = _inside(self.root, check.field(manifest, "rejected", str), "rejected")
         _check_resolved(self.root, self.target_dir)
         _check_resolved(self.root, self.rejected_path)
-        seqs = manifest["sequences"]
-        self.lengths = np.asarray(seqs["length"], dtype=np.int64)  # [N]
-        self.num_loss_tokens = np.asarray(seqs["num_loss_tokens"], dtype=np.int64)  # [N]
-        self._source_file = np.asarray(seqs["source_file"], dtype=np.int64)  # [N] into source_files
-        self._source_index = np.asarray(seqs["source_index"], dtype=np.int64)  # [N]
-        self._source_files = manifest["source_files"]
+        seqs = check.field(manifest, "sequences", dict)
+        self._source_files = check.field(manifest, "source_files", list)
+        columns = {key: check.int_list(seqs, key, f"sequences.{key}") for key in _SEQUENCE_FIELDS}
+        self.lengths = columns["length"]  # [N] int64
+        self.num_loss_tokens = columns["num_loss_tokens"]  # [N] int64
+        self._source_file = columns["source_file"]  # [N] int64, into source_files
+        self._source_index = columns["source_index"]  # [N] int64
+        if len({len(c) for c in columns.values()}) != 1:
+            raise ValueError(
+                f"{manifest_path}: the sequences columns have different lengths "
+                f"({ {k: len(c) for k, c in columns.items()} }); the manifest is damaged: {check.remedy}"
+            )
+        if len(self._source_file) and not 0 <= self._source_file.min() <= self._source_file.max() < len(
+                self._source_files):
+            raise ValueError(
+                f"{manifest_path}: field sequences.source_file points outside source_files; the "
+                f"manifest is damaged: {check.remedy}"
+            )
         counts = np.asarray([s["num_sequences"] for s in self.shards], dtype=np.int64)
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)])  # [S + 1]
         if self._shard_starts[-1] != len(self.lengths):
@@ -229,6 +258,41 @@ class Cache:
         return reader
 
 
+# Fields a reader relies on, with their JSON types (bool is excluded from int below).
+_SHARD_FIELDS = {"path": str, "sha256": str, "num_bytes": int, "num_sequences": int}
+_SEQUENCE_FIELDS = ("length", "num_loss_tokens", "source_file", "source_index")
+
+
+class _ManifestFields:
+    """Reads manifest fields, turning a missing or mistyped one into a ValueError that names
+    manifest.json and the field (a damaged manifest must not surface as KeyError/TypeError)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.remedy = (f"rebuild the cache (re-run dflash-precompute into it) or restore {path.name} "
+                       "from a copy")
+
+    def field(self, holder: dict, key: str, kind: type, name: str | None = None) -> Any:
+        name = name or key
+        if key not in holder:
+            raise ValueError(f"{self.path}: field {name} is missing; the manifest is damaged: {self.remedy}")
+        value = holder[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"{self.path}: field {name} must be a {kind.__name__}, got {type(value).__name__}; the "
+                f"manifest is damaged: {self.remedy}"
+            )
+        return value
+
+    def int_list(self, holder: dict, key: str, name: str) -> np.ndarray:
+        values = self.field(holder, key, list, name)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(
+                f"{self.path}: field {name} must hold integers only; the manifest is damaged: {self.remedy}"
+            )
+        return np.asarray(values, dtype=np.int64).reshape(-1)  # [N]
+
+
 def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -> pa.ipc.RecordBatchFileReader:
     """Map one shard and check it against its manifest entry (size, version, schema, rows)."""
     if not path.exists():
@@ -283,9 +347,9 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
     problems: list[dict[str, Any]] = []
     try:
         cache = Cache(path)
-    except (ValueError, KeyError, TypeError) as error:
-        detail = str(error) if isinstance(error, ValueError) else f"manifest field missing or malformed: {error!r}"
-        return {"ok": False, "problems": [{"shard": None, "problem": detail}], "num_shards": 0, "num_sequences": 0}
+    except ValueError as error:  # a damaged manifest too: Cache names manifest.json and the field
+        return {"ok": False, "problems": [{"shard": None, "problem": str(error)}], "num_shards": 0,
+                "num_sequences": 0}
     for shard, (shard_path, entry) in enumerate(zip(cache.shard_paths, cache.shards)):
         name = entry["path"]
         if not shard_path.exists():

@@ -25,8 +25,6 @@ import faults  # noqa: E402
 # Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
 F_FOREIGN = pytest.mark.xfail(strict=True, reason="a shard from another cache of the same configuration "
                               "is read and trained on: rows' crc32 are not in the manifest (shards)")
-F_MANIFEST_FIELD = pytest.mark.xfail(strict=True, reason="a manifest missing a field raises KeyError/"
-                                     "TypeError, not a ValueError naming it (shards/reader.py Cache)")
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +160,7 @@ def test_corruption(ws, tmp_path, kind):
 
 @pytest.mark.parametrize("how", [
     "truncated", "key removed", "checksum changed", "length changed", "shards swapped",
-    pytest.param("byte flip", marks=F_MANIFEST_FIELD),  # this seed's flip renames "source_files"
+    "byte flip",  # this seed's flip renames "source_files"
 ])
 def test_manifest_damage(ws, tmp_path, how):
     assert_passed([faults._corruption_case(ws, rng(4), tmp_path, "manifest damage", manifest_damage=how)])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -463,6 +464,45 @@ def test_paths_leaving_the_cache_are_refused(tmp_path, field, value, message):
     _edit_manifest(tmp_path, edit)
     with pytest.raises(ValueError, match=message):
         open_cache(tmp_path)
+
+
+def _pop(path: str):
+    """An edit removing the manifest field at a dotted path (an int part indexes a list)."""
+    def edit(manifest):
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+        holder = manifest
+        for part in parents:
+            holder = holder[part]
+        del holder[last]
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_pop("sequences"), "field sequences is missing"),
+        (_pop("sequences.source_index"), "field sequences.source_index is missing"),
+        (_pop("source_files"), "field source_files is missing"),
+        (_pop("spec.max_length"), r"field spec is not a valid cache spec \(.*max_length"),
+        (lambda m: m["spec"].update(oppions=m["spec"].pop("options")), r"field spec .*\['oppions'\]"),
+        (_pop("shards.0.sha256"), r"field shards\[0\]\.sha256 is missing"),
+        (_pop("shards.0.num_bytes"), r"field shards\[0\]\.num_bytes is missing"),
+        (lambda m: m["shards"][0].update(num_sequences="3"), r"field shards\[0\]\.num_sequences must be a int"),
+        (lambda m: m["sequences"]["length"].pop(), "the sequences columns have different lengths"),
+        (lambda m: m["sequences"]["source_file"].__setitem__(0, 7), "field sequences.source_file points outside"),
+    ],
+)
+def test_damaged_manifest_field_is_named(tmp_path, edit, field):
+    """A missing or mistyped manifest field: a ValueError naming manifest.json and the field and
+    saying what to do, from open_cache and as a problem from verify (fault F6)."""
+    spec = make_spec()
+    write(tmp_path, spec, make_rows(spec))
+    _edit_manifest(tmp_path, edit)
+    message = rf"manifest\.json: {field}.*rebuild the cache .* or restore manifest\.json"
+    with pytest.raises(ValueError, match=message):
+        open_cache(tmp_path)
+    report = verify_cache(tmp_path)
+    assert not report["ok"] and re.search(message, report["problems"][0]["problem"])
 
 
 def test_symlink_out_of_the_cache_is_refused(tmp_path):
