@@ -259,7 +259,7 @@ class Cache:
 
 
 # Fields a reader relies on, with their JSON types (bool is excluded from int below).
-_SHARD_FIELDS = {"path": str, "sha256": str, "num_bytes": int, "num_sequences": int}
+_SHARD_FIELDS = {"path": str, "sha256": str, "rows_sha256": str, "num_bytes": int, "num_sequences": int}
 _SEQUENCE_FIELDS = ("length", "num_loss_tokens", "source_file", "source_index")
 
 
@@ -294,7 +294,8 @@ class _ManifestFields:
 
 
 def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -> pa.ipc.RecordBatchFileReader:
-    """Map one shard and check it against its manifest entry (size, version, schema, rows)."""
+    """Map one shard and check it against its manifest entry (size, version, schema, row count,
+    and rows_sha256: the rows' sources, lengths and crc32 are the ones this cache recorded)."""
     if not path.exists():
         raise ValueError(f"{path} is missing; the cache is incomplete (re-run dflash-precompute)")
     _check_resolved(root, path)
@@ -326,6 +327,21 @@ def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -
         raise ValueError(
             f"{path} holds {reader.num_record_batches} rows, the manifest records "
             f"{entry['num_sequences']}"
+        )
+    # Ties the shard to this cache without hashing the file: a shard from another cache of the
+    # same spec has the same size and schema, and rows whose own crc32 are valid.
+    try:
+        rows_sha256 = rows.shard_rows_sha256_of(reader, spec, entry["path"])
+    except (pa.ArrowException, OSError, ValueError, IndexError) as error:
+        raise ValueError(
+            f"{path}: cannot read its rows' sources and checksums ({error}): the shard is damaged; run "
+            "`dflash-shards verify` on the cache and re-run dflash-precompute to rebuild it"
+        ) from error
+    if rows_sha256 != entry["rows_sha256"]:
+        raise ValueError(
+            f"{path}: its rows (sources, lengths, crc32) do not match the manifest's rows_sha256: the "
+            "shard belongs to another cache (e.g. a run of the same configuration with another seed) "
+            "or was replaced; run `dflash-shards verify` and re-run dflash-precompute to rewrite it"
         )
     return reader
 

@@ -9,6 +9,7 @@ bytes in exactly what it reads, at about 7 GB/s.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from dataclasses import dataclass
@@ -103,6 +104,33 @@ def list_values(column: pa.Array) -> np.ndarray:
     start = child.offset + int(offsets[0])
     return np.frombuffer(child.buffers()[1], dtype=dtype, count=int(offsets[-1] - offsets[0]),
                          offset=start * dtype.itemsize)
+
+
+def shard_rows_sha256(spec: CacheSpec, path: str, files: list[str], indices: list[int],
+                      lengths: list[int], checksums: list[int]) -> str:
+    """sha256 tying a shard's rows to its cache and place: the spec identity, the shard's
+    relative path, and every row's source, token count and crc32, in row order.
+
+    Recorded per shard in the manifest; a reader recomputes it from the rows' small columns
+    when it opens the shard (no pass over the row data), so a shard from another cache with
+    the same spec (other values: other crc32s) is refused. Deterministic: a resumed run
+    records the same value.
+    """
+    text = json.dumps([spec.identity_sha256(), path, files, [int(i) for i in indices],
+                       [int(n) for n in lengths], [int(c) for c in checksums]], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shard_rows_sha256_of(reader: pa.ipc.RecordBatchFileReader, spec: CacheSpec, path: str) -> str:
+    """`shard_rows_sha256` of an opened shard, from each row's source, num_tokens and checksum."""
+    files, indices, lengths, checksums = [], [], [], []
+    for b in range(reader.num_record_batches):
+        batch = reader.get_batch(b)  # one footer lookup; the list columns are not touched
+        files.append(batch.column("source_file")[0].as_py())
+        indices.append(batch.column("source_index")[0].as_py())
+        lengths.append(batch.column("num_tokens")[0].as_py())
+        checksums.append(batch.column("checksum")[0].as_py())
+    return shard_rows_sha256(spec, path, files, indices, lengths, checksums)
 
 
 def row_checksum(values: list[np.ndarray]) -> int:

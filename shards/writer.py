@@ -444,6 +444,7 @@ class CacheWriter:
                 "source": source,
                 "length": len(payload["input_ids"]),
                 "num_loss_tokens": int(payload["loss_mask"].sum()),
+                "checksum": batch.column("checksum")[0].as_py(),
                 "column_bytes": {name: _value_bytes(batch.column(name)) for name in batch.schema.names},
             }
         )
@@ -478,6 +479,10 @@ class CacheWriter:
             "shard": self._num_shards,
             "path": f"{SHARDS_DIR}/{final.name}",
             "sha256": digest,
+            "rows_sha256": rows.shard_rows_sha256(
+                self.spec, f"{SHARDS_DIR}/{final.name}",
+                [r["source"]["file"] for r in self._shard_rows], [r["source"]["index"] for r in self._shard_rows],
+                [r["length"] for r in self._shard_rows], [r["checksum"] for r in self._shard_rows]),
             "num_bytes": final.stat().st_size,
             "num_sequences": len(self._shard_rows),
             "num_tokens": sum(r["length"] for r in self._shard_rows),
@@ -545,7 +550,7 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
             for key in sequences:
                 sequences[key] += record["sequences"][key]
             shards.append({key: record[key] for key in (
-                "path", "rank", "sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
+                "path", "rank", "sha256", "rows_sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
 
     rejects.sort(key=lambda r: (r["file"], r["index"]))
     write_atomic(

@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import faults  # noqa: E402
 
 # Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
-F_FOREIGN = pytest.mark.xfail(strict=True, reason="a shard from another cache of the same configuration "
-                              "is read and trained on: rows' crc32 are not in the manifest (shards)")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +147,7 @@ CORRUPTIONS = [
     "truncated shard", "missing shard", "bit flips in a shard",
     "bit flip in row data",
     "footer damage",
-    pytest.param("shard from another cache", marks=F_FOREIGN),
+    "shard from another cache",
 ]
 
 

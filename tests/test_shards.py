@@ -505,6 +505,24 @@ def test_damaged_manifest_field_is_named(tmp_path, edit, field):
     assert not report["ok"] and re.search(message, report["problems"][0]["problem"])
 
 
+def test_shard_from_another_cache_of_the_same_spec_is_refused(tmp_path):
+    """Same spec, sizes and sources, other values (crc32 valid in each row): the manifest's
+    rows_sha256 tells them apart when the shard is opened (fault F5)."""
+    spec = make_spec()
+    write(tmp_path / "a", spec, make_rows(spec, seed=0))
+    write(tmp_path / "b", spec, make_rows(spec, seed=1))
+    name = "shards/rank00000-00001.arrow"
+    assert (tmp_path / "a" / name).stat().st_size == (tmp_path / "b" / name).stat().st_size
+    (tmp_path / "a" / name).write_bytes((tmp_path / "b" / name).read_bytes())
+    cache = open_cache(tmp_path / "a")
+    cache[0]  # other shards still read
+    with pytest.raises(ValueError, match=r"rank00000-00001\.arrow: its rows .* do not match the manifest's "
+                                         r"rows_sha256: the shard belongs to another cache"):
+        cache[3]
+    report = verify_cache(tmp_path / "a")
+    assert {p["shard"] for p in report["problems"]} == {name}
+
+
 def test_symlink_out_of_the_cache_is_refused(tmp_path):
     spec = make_spec()
     write(tmp_path / "cache", spec, make_rows(spec, lengths=[3]))
