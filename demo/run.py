@@ -36,9 +36,9 @@ from demo.prepare import chitchat_records, prepare_smollm2  # noqa: E402
 class DemoConfig:
     work_dir: Path
     """Where the target, prompts, cache and run live."""
-    num_conversations: int = 320
+    num_conversations: int = 256
     """chitchat conversations cached (first exchange of each; replies regenerated)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
     """Longest cached sequence, in tokens."""
@@ -48,13 +48,13 @@ class DemoConfig:
     """Draft block size."""
     anchors_per_seq: int = 32
     """Blocks drawn per sequence per epoch."""
-    tokens_per_step: int = 1024
+    tokens_per_step: int = 512
     """Block tokens per optimizer step."""
-    max_steps: int = 200
+    max_steps: int = 150
     """Training steps."""
     lr: float = 1e-3
     """Peak learning rate (higher than the recipe's 6e-4: the demo trains only briefly)."""
-    eval_fraction: float = 0.08
+    eval_fraction: float = 0.1
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
