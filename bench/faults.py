@@ -943,7 +943,7 @@ def _disk_full_checkpoint(ws: Workspace, rng: np.random.Generator, trial: int) -
 CORRUPTIONS = ["truncated shard", "bit flips in a shard", "bit flip in row data", "footer damage",
                "manifest damage", "missing shard", "shard from another cache"]
 MANIFEST_DAMAGE = ["truncated", "byte flip", "key removed", "checksum changed", "length changed",
-                   "shards swapped"]
+                   "shards swapped", "path changed"]
 
 
 def trial_corruption(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
@@ -1038,11 +1038,15 @@ def _damage_manifest(path: Path, manifest: dict, rng: np.random.Generator, how: 
         i = int(rng.integers(0, len(lengths)))
         lengths[i] += int(rng.choice([-3, -1, 1, 2]))
         description = f"manifest length of sequence {i} changed"
-    else:
+    elif how == "shards swapped":
         a, b = rng.choice(len(manifest["shards"]), size=2, replace=False)
         shards = manifest["shards"]
         shards[a]["path"], shards[b]["path"] = shards[b]["path"], shards[a]["path"]
         description = f"manifest paths of shards {a} and {b} swapped"
+    else:  # a path that stays inside the cache but names no file
+        shard = manifest["shards"][int(rng.integers(0, len(manifest["shards"])))]
+        shard["path"] = shard["path"].replace("rank", "rnak")
+        description = f"manifest path of a shard changed to {shard['path']}"
     path.write_text(json.dumps(manifest, separators=(",", ":")))
     return description
 

@@ -2,9 +2,9 @@
 that the bench's own detectors fire on a planted fault (a detector that cannot fail proves
 nothing).
 
-The full randomised counts come from `python bench/faults.py --trials 20`. Sub-cases that
-currently expose a bug in the library are `xfail(strict=True)` with the finding's name: when
-the fix lands they pass, strict xfail turns that into a failure, and the marker goes.
+The full randomised counts come from `python bench/faults.py --trials 20`. A sub-case that
+exposes a bug in the library is marked `xfail(strict=True)` with the finding's name until
+the fix lands (then strict xfail fails and the marker goes).
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import faults  # noqa: E402
 
 # Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
+
+
+# Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
+F_MISSING_PATH = pytest.mark.xfail(strict=True, reason="verify reports a shard path damaged in the manifest "
+                                   "as 'file is missing' without naming manifest.json (shards/reader.py)")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +163,8 @@ def test_corruption(ws, tmp_path, kind):
 
 @pytest.mark.parametrize("how", [
     "truncated", "key removed", "checksum changed", "length changed", "shards swapped",
-    "byte flip",  # this seed's flip renames "source_files"
+    "byte flip",
+    pytest.param("path changed", marks=F_MISSING_PATH),
 ])
 def test_manifest_damage(ws, tmp_path, how):
     assert_passed([faults._corruption_case(ws, rng(4), tmp_path, "manifest damage", manifest_damage=how)])
