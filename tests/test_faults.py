@@ -23,9 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import faults  # noqa: E402
 
 # Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
-
-
-# Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
 F_MISSING_PATH = pytest.mark.xfail(strict=True, reason="verify reports a shard path damaged in the manifest "
                                    "as 'file is missing' without naming manifest.json (shards/reader.py)")
 
