@@ -22,11 +22,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import faults  # noqa: E402
 
-# Open findings (see bench/RESULTS.md, "faults"); each marker names the fix that removes it.
-F_MISSING_PATH = pytest.mark.xfail(strict=True, reason="verify reports a shard path damaged in the manifest "
-                                   "as 'file is missing' without naming manifest.json (shards/reader.py)")
-
-
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> faults.Workspace:
     return faults.Workspace(tmp_path_factory.mktemp("faults"), seed=0)
@@ -161,7 +156,7 @@ def test_corruption(ws, tmp_path, kind):
 @pytest.mark.parametrize("how", [
     "truncated", "key removed", "checksum changed", "length changed", "shards swapped",
     "byte flip",
-    pytest.param("path changed", marks=F_MISSING_PATH),
+    "path changed",
 ])
 def test_manifest_damage(ws, tmp_path, how):
     assert_passed([faults._corruption_case(ws, rng(4), tmp_path, "manifest damage", manifest_damage=how)])
