@@ -744,7 +744,16 @@ def format_report(result: dict[str, Any]) -> str:
 @click.option("--save/--no-save", default=True, show_default=True, help="Write RUN/eval/<checkpoint>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
 def eval_command(as_json: bool, **options: Any) -> None:
-    """Acceptance length of a drafter: offline from a cache, and with --online against the target."""
+    """Acceptance length of a drafter: offline from a cache, and with --online against the target.
+
+    \b
+    tau = 1 + the number of leading drafts the target accepts (its bonus token counts 1).
+    Offline: every eligible anchor of the held-out sequences (or of --cache), block position
+    k scored against the cached top-1 at a+k-1; "replayed" follows greedy decoding along
+    each sequence's last reply and equals the online tau when the cache was made with
+    --regenerate at temperature 0. Online: real greedy speculative decoding, checked token
+    for token against the target's own greedy output (lossless).
+    """
     try:
         config = EvalConfig(**options)
         result = run_eval(config)
