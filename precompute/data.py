@@ -8,14 +8,10 @@ A JSONL line that is not UTF-8 or not JSON (or nests too deeply to parse) is an
 `InputRecord` with an `error`, never an exception, so one bad line costs one record;
 strings holding lone surrogates (possible through JSON escapes) are rejected too.
 
-`normalize_record` accepts four shapes and turns each into either a list of
-`{"role", "content"}` messages or a plain text:
-- `messages`: [{"role", "content"}] (content a string or a list of text parts);
-- `conversations`: ShareGPT [{"from", "value"}], `human`/`user` -> user, `gpt`/`assistant`/
-  `chatgpt`/`model` -> assistant, `system` -> system;
-- `prompt` + `response` (optional `system`): one user turn and one assistant turn;
-- `text`: a plain document, tokenized with the tokenizer's special tokens and trained on
-  every token (no chat template, no assistant turn needed).
+Records are normalised by `dflash.shards.records.normalize_record` (the input contract
+both stages share: `messages`, `conversations`, `prompt`+`response`, `text`); a `text`
+record is tokenized with the tokenizer's special tokens and trained on every token (no chat
+template, no assistant turn needed).
 
 The loss mask. `ChatEncoder.encode` renders the conversation to text with the chat
 template, finds each assistant message's content in that text, tokenizes with offsets and
@@ -43,19 +39,7 @@ from typing import Any
 
 import numpy as np
 
-ROLE_ALIASES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
-
-
-class RecordError(ValueError):
-    """A record that cannot be used; `str(error)` is the reason written to rejected.jsonl."""
+from dflash.shards.records import RecordError, normalize_record  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -203,81 +187,6 @@ def input_sha256(path: str | Path) -> str:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------- records
-
-def normalize_record(data: Any) -> list[dict[str, str]] | str:
-    """A record as chat messages [{"role", "content"}] or, for `text` records, a string.
-
-    Raises RecordError with the reason when a field is missing or malformed or the
-    conversation has no assistant turn.
-    """
-    if not isinstance(data, dict):
-        raise RecordError(f"record is a {type(data).__name__}, not an object")
-    if data.get("messages") is not None:
-        messages = [_message(m, i, "messages", "role", "content") for i, m in enumerate(_list(data, "messages"))]
-    elif data.get("conversations") is not None:
-        messages = [_message(m, i, "conversations", "from", "value")
-                    for i, m in enumerate(_list(data, "conversations"))]
-    elif data.get("prompt") is not None or data.get("response") is not None:
-        messages = []
-        if data.get("system") is not None:
-            messages.append({"role": "system", "content": _text(data["system"], "system")})
-        messages.append({"role": "user", "content": _text(data.get("prompt"), "prompt")})
-        messages.append({"role": "assistant", "content": _text(data.get("response"), "response")})
-    elif data.get("text") is not None:
-        text = _text(data["text"], "text")
-        if not text:
-            raise RecordError("field 'text' is empty")
-        return text
-    else:
-        raise RecordError(
-            "record has none of the fields 'messages', 'conversations', 'prompt'+'response', 'text'"
-        )
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError("conversation has no assistant turn")
-    return messages
-
-
-def _list(data: dict, key: str) -> list:
-    value = data[key]
-    if not isinstance(value, list) or not value:
-        raise RecordError(f"field '{key}' must be a non-empty list")
-    return value
-
-
-def _message(item: Any, i: int, field: str, role_key: str, content_key: str) -> dict[str, str]:
-    if not isinstance(item, dict):
-        raise RecordError(f"{field}[{i}] is not an object")
-    role = item.get(role_key)
-    if not isinstance(role, str):
-        raise RecordError(f"{field}[{i}] has no '{role_key}'")
-    _check_unicode(role, f"{field}[{i}].{role_key}")
-    if field == "conversations":
-        if role.lower() not in ROLE_ALIASES:
-            raise RecordError(f"{field}[{i}].from is {role!r}, expected one of {sorted(ROLE_ALIASES)}")
-        role = ROLE_ALIASES[role.lower()]
-    return {"role": role, "content": _text(item.get(content_key), f"{field}[{i}].{content_key}")}
-
-
-def _text(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return _check_unicode(value, where)
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return _check_unicode("".join(str(p.get("text", "")) for p in value), where)  # OpenAI-style parts
-    if value is None:
-        raise RecordError(f"field '{where}' is missing")
-    raise RecordError(f"field '{where}' must be a string, got {type(value).__name__}")
-
-
-def _check_unicode(text: str, where: str) -> str:
-    """JSON escapes can encode lone surrogates (`"\\ud800"`), which no tokenizer accepts."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RecordError(f"field '{where}' holds invalid Unicode (a lone surrogate at character {e.start})") from None
-    return text
 
 
 # ----------------------------------------------------------------------------- encoding

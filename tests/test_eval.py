@@ -16,11 +16,11 @@ from dflash.train.evaluate import (
     block_acceptance,
     evaluate_offline,
     load_prompts,
-    prompt_messages,
     replay_last_reply,
     sequence_acceptance,
     target_top1,
 )
+from dflash.shards.records import prompt_messages
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
@@ -220,6 +220,7 @@ def test_offline_drafts_equal_the_inference_path(seed, block_size):
      [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]},
      [{"role": "user", "content": "xy"}]),
+    ({"prompt": "p"}, [{"role": "user", "content": "p"}]),
 ])
 def test_prompt_messages_cut_at_last_user_turn(record, expected):
     assert prompt_messages(record) == expected
@@ -231,6 +232,8 @@ def test_prompt_messages_cut_at_last_user_turn(record, expected):
     ({"conversations": [{"from": "robot", "value": "b"}]}, "expected one of"),
     ({"other": 1}, "none of the fields"),
     ([1, 2], "not an object"),
+    ({"prompt": "p", "system": 3}, "'system' must be a string"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
 ])
 def test_prompt_messages_rejects_with_reason(record, reason):
     with pytest.raises(ValueError, match=reason):

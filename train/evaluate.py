@@ -53,6 +53,7 @@ import click
 import numpy as np
 import torch
 
+from dflash.shards.records import prompt_messages
 from dflash.train.data import eligible_anchors
 from dflash.train.export import eval_results_path, load_drafter
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
@@ -255,57 +256,6 @@ def evaluate_offline(
 # ---------------------------------------------------------------------------------------
 # Online
 # ---------------------------------------------------------------------------------------
-
-ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                "chatgpt": "assistant", "model": "assistant", "system": "system"}
-
-
-def prompt_messages(record: Any) -> list[dict[str, str]]:
-    """The chat messages up to and including the last user turn of a record.
-
-    Record styles as stage one reads them: `messages` (role/content), `conversations`
-    (from/value, ShareGPT roles), `prompt` (+ `response`, optional `system`). ValueError with
-    the reason otherwise (a `text` record has no user turn to prompt with).
-    """
-    if not isinstance(record, dict):
-        raise ValueError(f"record is a {type(record).__name__}, not an object")
-    if record.get("messages") is not None:
-        messages = [_message(m, i, "messages", "role", "content") for i, m in enumerate(record["messages"])]
-    elif record.get("conversations") is not None:
-        messages = [_message(m, i, "conversations", "from", "value")
-                    for i, m in enumerate(record["conversations"])]
-    elif record.get("prompt") is not None:
-        messages = [{"role": "system", "content": _content(record["system"], "system")}] \
-            if record.get("system") is not None else []
-        messages.append({"role": "user", "content": _content(record["prompt"], "prompt")})
-    elif record.get("text") is not None:
-        raise ValueError("a 'text' record has no user turn to use as a prompt")
-    else:
-        raise ValueError("record has none of the fields 'messages', 'conversations', 'prompt'")
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise ValueError("conversation has no user turn")
-    return messages[: users[-1] + 1]
-
-
-def _message(item: Any, i: int, key: str, role_key: str, content_key: str) -> dict[str, str]:
-    if not isinstance(item, dict) or not isinstance(item.get(role_key), str):
-        raise ValueError(f"{key}[{i}] is not an object with a '{role_key}'")
-    role = item[role_key]
-    if key == "conversations":
-        if role.lower() not in ROLE_ALIASES:
-            raise ValueError(f"{key}[{i}].{role_key} is {role!r}, expected one of {sorted(ROLE_ALIASES)}")
-        role = ROLE_ALIASES[role.lower()]
-    return {"role": role, "content": _content(item.get(content_key), f"{key}[{i}].{content_key}")}
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)
-    raise ValueError(f"field '{where}' must be a string")
-
 
 @dataclass
 class Prompt:
