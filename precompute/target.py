@@ -321,8 +321,12 @@ class Target:
         embed = self.model.get_input_embeddings().weight.detach()  # [V, H]
         head = self.model.get_output_embeddings().weight.detach()  # [V, H]
         # Cloned separately: safetensors refuses tensors that share memory (tied weights).
-        save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
-                   "lm_head.weight": head.cpu().clone().contiguous()}, partial / "head.safetensors")
+        try:
+            save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
+                       "lm_head.weight": head.cpu().clone().contiguous()}, partial / "head.safetensors")
+        except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
+            raise OSError(f"{partial / 'head.safetensors'}: cannot write the target's embedding and LM "
+                          f"head: {error}; free space under {out.parent} and run again") from error
         text_config = self.config.get_text_config()
         rope = getattr(text_config, "rope_parameters", None) or {}
         info = {

@@ -173,9 +173,8 @@ class Cache:
 
     def locate(self, i: int) -> tuple[Path, int]:
         """(shard path, row within the shard) of sequence i."""
-        i = self._index(i)
-        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
-        return self.shard_paths[shard], int(i - self._shard_starts[shard])
+        _, shard, row = self._shard_row(i)
+        return self.shard_paths[shard], row
 
     def __getitem__(self, i: int) -> Sequence:
         raw = self.raw(i)
@@ -194,9 +193,7 @@ class Cache:
         )
 
     def raw(self, i: int) -> RawSequence:
-        i = self._index(i)
-        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
-        row = int(i - self._shard_starts[shard])
+        i, shard, row = self._shard_row(i)
         path = self.shard_paths[shard]
         spec = self.spec
         try:
@@ -234,6 +231,31 @@ class Cache:
             source=columns.source,
         )
 
+    def loss_mask(self, i: int) -> np.ndarray:
+        """[T] bool read-only view of sequence i's loss mask, and nothing else of the row.
+
+        For scans over every sequence (counting a cache's trainable positions): it touches
+        about one byte per token of the mapped shard where `raw(i)` touches every byte (the
+        row checksum covers the whole row, and the packed top-k is decoded), which for a
+        Qwen3-8B-sized cache is 20 to 40 KB per token. The mask is not checksummed here;
+        reading the row with `raw(i)` later checks it.
+        """
+        i, shard, row = self._shard_row(i)
+        path = self.shard_paths[shard]
+        try:
+            mask = rows.list_values(self._reader(shard).get_batch(row).column("loss_mask"))
+        except (pa.ArrowException, KeyError, ValueError, OSError) as error:
+            raise ValueError(
+                f"{path}: cannot read the loss mask of row {row} (sequence {i}): {error}; the shard is "
+                "damaged, run `dflash-shards verify` on the cache and re-run dflash-precompute for it"
+            ) from error
+        if mask.size != self.lengths[i]:
+            raise ValueError(
+                f"{path}: row {row} has a loss mask of {mask.size} tokens, the manifest lists "
+                f"{self.lengths[i]}; the cache is inconsistent"
+            )
+        return mask.view(np.bool_)
+
     def close(self) -> None:
         self._open.clear()
 
@@ -245,6 +267,12 @@ class Cache:
         if not -n <= i < n:
             raise IndexError(f"sequence {i} out of range for a cache of {n}")
         return i + n if i < 0 else i
+
+    def _shard_row(self, i: int) -> tuple[int, int, int]:
+        """(non-negative sequence index, shard, row within the shard) of sequence i."""
+        i = self._index(i)
+        shard = int(np.searchsorted(self._shard_starts, i, side="right")) - 1
+        return i, shard, int(i - self._shard_starts[shard])
 
     def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
         reader = self._open.get(shard)

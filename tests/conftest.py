@@ -23,3 +23,16 @@ def seed() -> int:
     torch.manual_seed(0)
     np.random.seed(0)
     return 0
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for the test. Tiny models run as fast on one, many threads
+    on oversubscribed cores (parallel jobs, shared CI cores) slow them down several times,
+    and runs compared bit for bit need one summation order. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")` (module scope, so that module-scoped
+    fixtures that run models get it too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

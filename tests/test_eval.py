@@ -25,16 +25,8 @@ from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one intra-op thread, and many threads on oversubscribed
-    cores (parallel test jobs) slow them down several times."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 class StubDrafter(nn.Module):
     """Returns one-hot hidden states: block position k of the block anchored at a "predicts"

@@ -29,14 +29,7 @@ from dflash.train.synthetic import write_synthetic_training_cache
 LAYER_IDS = [1, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one intra-op thread, and many threads on oversubscribed
-    cores (parallel test jobs) slow them down several times."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def last_json(output: str) -> dict:

@@ -35,14 +35,7 @@ def tiny_target(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one intra-op thread, and many threads on oversubscribed
-    cores (parallel test jobs) slow them down several times."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

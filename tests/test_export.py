@@ -22,16 +22,8 @@ from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, Drafte
 
 H, V, LAYERS = 32, 50, 3
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one intra-op thread, and many threads on oversubscribed
-    cores (parallel test jobs) slow them down several times."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 def make_config(**overrides) -> DrafterConfig:
     values = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -145,6 +137,19 @@ def test_existing_folder_is_refused(drafter, tmp_path):
     (tmp_path / "draft").mkdir()
     with pytest.raises(ValueError, match="already exists"):
         write_export(drafter, tmp_path / "draft")
+
+
+def test_a_failed_weights_write_names_the_file_and_leaves_nothing(drafter, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match=r"\.draft\.tmp/model\.safetensors: cannot write the drafter's weights: "
+                                      r".*No space left on device"):
+        write_export(drafter, tmp_path / "draft")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_zlab_style_config_is_read(tmp_path):

@@ -27,15 +27,7 @@ def ws(tmp_path_factory) -> faults.Workspace:
     return faults.Workspace(tmp_path_factory.mktemp("faults"), seed=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Runs compared bit for bit share one summation order (the children run on one too)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rng(*key: int) -> np.random.Generator:

@@ -30,13 +30,7 @@ RECORDS = [{"messages": c} for c in CONVERSATIONS] + [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and the CI cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +289,24 @@ def test_out_directory_that_is_not_a_cache_is_refused(targets, data, tmp_path):
     with pytest.raises(ValueError, match="not a dflash cache"):
         run_precompute(config(targets["qwen3"], data, tmp_path / "mine", overwrite=True))
     assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_a_full_disk_writing_the_target_head_is_a_clear_error(targets, data, tmp_path, monkeypatch):
+    import safetensors
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    args = ["--target", str(targets["llama"]), "--data", str(data), "--out", str(tmp_path / "cache"),
+            "--top-k", "4", "--feature-layers", "1,2", "--batch-tokens", "256", "--device", "cpu", "--limit", "2",
+            "--no-progress"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "head.safetensors: cannot write the target's embedding and LM head" in result.output
+    assert "No space left on device" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "cache" / "manifest.json").exists()
 
 
 def test_cli_prints_the_summary_and_reports_errors(targets, data, tmp_path):

@@ -208,6 +208,22 @@ def test_raw_is_zero_copy(tmp_path):
     np.testing.assert_array_equal(codecs.bf16_to_f32(views[1].features), cache[1].features)
 
 
+@pytest.mark.parametrize("feature_codec, topk_codec", [("bf16", "packed"), ("fp8", "raw")])
+def test_loss_mask_reads_only_the_mask(tmp_path, feature_codec, topk_codec):
+    spec = make_spec(feature_codec=feature_codec, topk_codec=topk_codec)
+    rows = make_rows(spec)
+    cache = write(tmp_path, spec, rows)
+    for i in range(-1, len(cache)):
+        mask = cache.loss_mask(i)
+        assert mask.dtype == np.bool_ and not mask.flags.writeable
+        np.testing.assert_array_equal(mask, rows[cache.source(i)["index"]]["loss_mask"])
+    before = pa.total_allocated_bytes()
+    cache.loss_mask(1)
+    assert pa.total_allocated_bytes() == before
+    with pytest.raises(IndexError, match="out of range"):
+        cache.loss_mask(len(cache))
+
+
 # ------------------------------------------------------------------------- validation
 
 

@@ -52,6 +52,9 @@ class HandCache:
     def raw(self, i):
         return self.rows[i]
 
+    def loss_mask(self, i):
+        return self.rows[i].loss_mask
+
     def source(self, i):
         return {"file": "hand.jsonl", "index": i}
 
@@ -255,3 +258,44 @@ def test_read_batch_from_memory_mapped_cache_matches_decoded_rows(tmp_path, code
         np.testing.assert_array_equal(anchors, draw_anchors(row.loss_mask, 4, 0, 1, seg.sequence)
                                       [seg.first:seg.first + seg.count])
     assert offset == batch.context_features.shape[0]
+
+
+def test_anchor_count_split_over_ranks_equals_one_rank(tmp_path):
+    """Each rank counts a stride of the sequences; the all-reduce (here: two threads summing
+    at a barrier) gives every rank the one-rank counts, and only rank 0 stores the index."""
+    import threading
+
+    from dflash.shards import open_cache
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    write_synthetic_training_cache(tmp_path / "c", lengths=[30, 41, 25, 3, 17], seed=5)
+    one = Corpus([open_cache(tmp_path / "c")]).num_eligible
+    assert one.sum() > 0
+    partial, barrier, results = {}, threading.Barrier(2), {}
+
+    def combine(rank):
+        def sum_over_ranks(counts):
+            partial[rank] = counts.copy()
+            barrier.wait()
+            return partial[0] + partial[1]
+        return sum_over_ranks
+
+    def rank_main(rank):
+        corpus = Corpus([open_cache(tmp_path / "c")], index_dir=tmp_path / "run", rank=rank, world_size=2,
+                        combine=combine(rank))
+        results[rank] = corpus.num_eligible
+
+    (tmp_path / "run").mkdir()
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(partial[0][1::2], 0)  # rank 0 read only the even sequences
+    np.testing.assert_array_equal(partial[1][0::2], 0)
+    np.testing.assert_array_equal(results[0], one)
+    np.testing.assert_array_equal(results[1], one)
+    stored = Corpus([open_cache(tmp_path / "c")], index_dir=tmp_path / "run", rank=1, world_size=2)  # no combine:
+    np.testing.assert_array_equal(stored.num_eligible, one)  # the stored index, no count
+    with pytest.raises(ValueError, match="needs `combine`"):
+        Corpus([open_cache(tmp_path / "c")], rank=1, world_size=2)

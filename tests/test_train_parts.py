@@ -137,7 +137,22 @@ def test_checkpoint_refuses_pickled_objects(tmp_path):
             return (os.system, ("true",))
 
     torch.save({"state": Evil()}, path / "optimizer.pt")
-    with pytest.raises(Exception, match="[Ww]eights only"):
+    with pytest.raises(ValueError, match=r"optimizer\.pt: cannot read the checkpoint's optimizer state: .*[Ww]eights only"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("model.safetensors", b"\x00" * 16, r"model\.safetensors: cannot read the checkpoint's weights"),
+    ("state.json", b'{"step": ', r"state\.json: cannot read the checkpoint's state"),
+])
+def test_damaged_checkpoint_names_the_file(tmp_path, name, damage, message):
+    model, optimizer = model_and_optimizer()
+    writer = CheckpointWriter(tmp_path, keep=1)
+    writer.save(1, model.state_dict(), optimizer.state_dict(), {})
+    writer.wait()
+    path = latest_checkpoint(tmp_path)
+    (path / name).write_bytes(damage)
+    with pytest.raises(ValueError, match=message + r".*delete step-00000001"):
         load_checkpoint(path)
 
 
@@ -238,6 +253,33 @@ def test_run_logger_with_wandb_disabled(tmp_path, monkeypatch):
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record
     assert json.loads((tmp_path / "events.jsonl").read_text())["write_s"] == 0.5
+
+
+def test_wandb_steps_never_go_back(tmp_path, monkeypatch):
+    """A background checkpoint of step 0 finishes after step 1 is logged: W&B would drop (and
+    warn about) a log at step 0, so it lands at step 1 with its own step as checkpoint/step."""
+    from dflash.train.logging import STEP_KEYS, RunLogger
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def log(self, data, step):
+            self.calls.append((step, data))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    logger = RunLogger(tmp_path, enabled=True, wandb_config={})
+    logger._wandb = recorder = Recorder()
+    record = dict.fromkeys(STEP_KEYS, 0.0) | {"accuracy": [0.5], "skipped": False}
+    logger.step(record | {"step": 1})
+    logger.event("checkpoint", step=0, write_s=0.5, path="x")
+    logger.step(record | {"step": 2})
+    logger.close()
+    assert [step for step, _ in recorder.calls] == [1, 1, 2]
+    assert recorder.calls[1][1] == {"checkpoint/step": 0, "checkpoint/write_s": 0.5}
 
 
 def test_resumed_logger_drops_steps_past_the_checkpoint(tmp_path):

@@ -245,12 +245,26 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> tuple[dic
     from safetensors.torch import load_file
 
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    state = _read_part(path / "state.json", "state", lambda f: json.loads(f.read_text()))
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(
             f"{path}/state.json has checkpoint version {state.get('version')!r}; this dflash "
             f"reads version {CHECKPOINT_VERSION}: resume with the dflash that wrote it"
         )
-    model = load_file(str(path / "model.safetensors"), device=str(device))
-    optimizer = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    model = _read_part(path / "model.safetensors", "weights", lambda f: load_file(str(f), device=str(device)))
+    optimizer = _read_part(path / "optimizer.pt", "optimizer state",
+                           lambda f: torch.load(f, map_location=device, weights_only=True))
     return model, optimizer, state
+
+
+def _read_part(file: Path, what: str, read):
+    """read(file), with any failure but a missing file (which callers tell apart: a
+    half-written folder) turned into a ValueError that names the file: a damaged safetensors
+    header, torn JSON, or a pickle that `weights_only` refuses."""
+    try:
+        return read(file)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - SafetensorError, UnpicklingError, JSONDecodeError, ...
+        raise ValueError(f"{file}: cannot read the checkpoint's {what}: {error}; resume from an "
+                         f"earlier checkpoint (delete {file.parent.name})") from error

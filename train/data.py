@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,9 +219,14 @@ class Corpus:
     `num_eligible` [N] counts each sequence's eligible anchors. It needs every loss mask
     once; it is computed at the first start and stored in `index_dir` (the run folder),
     keyed by the caches' identities, so a resume reads no row before its first step.
+
+    Under several ranks the first count is split: rank r reads the masks of sequences
+    r, r + world_size, ..., `combine` sums the per-rank arrays (an all-reduce) and rank 0
+    writes the index. Every rank must construct the Corpus (the all-reduce is collective).
     """
 
-    def __init__(self, caches: list, index_dir: Path | None = None):
+    def __init__(self, caches: list, index_dir: Path | None = None, *, rank: int = 0, world_size: int = 1,
+                 combine: Callable[[np.ndarray], np.ndarray] | None = None):
         if not caches:
             raise ValueError("no cache given: pass at least one --cache")
         self.caches = caches
@@ -230,7 +236,7 @@ class Corpus:
         sizes = np.array([len(c) for c in caches], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # [num_caches + 1]
         self.lengths = np.concatenate([np.asarray(c.lengths, dtype=np.int64) for c in caches])  # [N]
-        self.num_eligible = self._eligible_counts(index_dir)
+        self.num_eligible = self._eligible_counts(index_dir, rank, world_size, combine)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -251,18 +257,23 @@ class Corpus:
                  for c in self.caches]
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    def _eligible_counts(self, index_dir: Path | None) -> np.ndarray:
+    def _eligible_counts(self, index_dir: Path | None, rank: int, world_size: int,
+                         combine: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
         path = None if index_dir is None else Path(index_dir) / "anchor_index.npz"
         fingerprint = self.fingerprint()
-        if path is not None and path.exists():
+        if path is not None and path.exists():  # every rank sees the same file: no rank writes yet
             stored = np.load(path)
             if str(stored["fingerprint"]) == fingerprint:
                 return stored["num_eligible"]
-        counts = np.empty(len(self), dtype=np.int64)  # [N]
-        for s in range(len(self)):
+        if world_size > 1 and combine is None:
+            raise ValueError("a Corpus split over several ranks needs `combine` (an all-reduce sum)")
+        counts = np.zeros(len(self), dtype=np.int64)  # [N]
+        for s in range(rank, len(self), world_size):
             cache, index = self.locate(s)
-            counts[s] = eligible_anchors(cache.raw(index).loss_mask).shape[0]
-        if path is not None:
+            counts[s] = eligible_anchors(cache.loss_mask(index)).shape[0]  # ~1 byte/token read
+        if world_size > 1:
+            counts = np.asarray(combine(counts), dtype=np.int64)
+        if path is not None and rank == 0:
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, fingerprint=np.array(fingerprint), num_eligible=counts)
             tmp.replace(path)

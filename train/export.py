@@ -194,7 +194,12 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {name: t.detach().to("cpu", weights_dtype).contiguous() for name, t in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"{tmp / 'model.safetensors'}: cannot write the drafter's weights: {error}; "
+                      f"free space under {out.parent} and export again") from error
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if card is not None:

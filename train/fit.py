@@ -91,12 +91,10 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     # flipped bit in the cache is an error naming the shard, never trained on. It costs a small
     # fraction of the data time, itself far under 1% of a step (bench/train_step.py).
     caches = [open_cache(path, check_rows=True) for path in config.cache]
-    if is_main:
-        corpus = Corpus(caches, index_dir=run_dir)  # counts anchors once, stores the index
-        _barrier(world_size)
-    else:
-        _barrier(world_size)
-        corpus = Corpus(caches, index_dir=run_dir)  # reads the index rank 0 wrote
+    # The first start counts every sequence's anchors, split over the ranks; a resume reads the
+    # index rank 0 stored then.
+    corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
+                    combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy())
     spec = corpus.spec
     drafter_config = DrafterConfig.from_target(
         caches[0].target_dir, num_hidden_layers=config.num_layers, block_size=config.block_size,

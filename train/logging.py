@@ -86,6 +86,7 @@ class RunLogger:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = None
+        self._wandb_step = resume_step  # W&B refuses (drops, with a warning) steps that go back
         if not enabled:
             return
         metrics = self.run_dir / "metrics.jsonl"
@@ -109,17 +110,21 @@ class RunLogger:
         if self._wandb is not None:
             flat = {k: v for k, v in record.items() if k != "accuracy"}
             flat.update({f"accuracy/{k + 1}": a for k, a in enumerate(record["accuracy"])})
-            self._wandb.log(flat, step=record["step"])
+            self._wandb_step = max(self._wandb_step, record["step"])
+            self._wandb.log(flat, step=self._wandb_step)
 
     def event(self, kind: str, **fields) -> None:
         if not self.enabled:
             return
         self._events.write(json.dumps({"event": kind, **fields}) + "\n")
         if self._wandb is not None:
+            # A background checkpoint finishes steps after the one it saved: it is logged at
+            # the current step, its own step as `checkpoint/step`.
             numbers = {f"{kind}/{k}": v for k, v in fields.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if numbers:
-                self._wandb.log(numbers, step=fields.get("step"))
+                self._wandb_step = max(self._wandb_step, fields.get("step") or 0)
+                self._wandb.log(numbers, step=self._wandb_step)
 
     def close(self) -> None:
         if not self.enabled:
