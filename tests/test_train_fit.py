@@ -268,22 +268,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one_rank(cache_dir, tmp_path):
+def _spawn(world_size: int, config: FitConfig) -> None:
+    torch.multiprocessing.spawn(_rank_main, args=(world_size, _free_port(), config.to_dict()), nprocs=world_size)
+
+
+def _final_state(run: Path) -> tuple[dict, dict]:
+    last = latest_checkpoint(run)
+    return load_file(str(last / "model.safetensors")), torch.load(last / "optimizer.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_rank(cache_dir, tmp_path, parallel):
     # 24 blocks per step of 5 per sequence: each rank's 12 blocks end mid-sequence.
-    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5)
-    two = tiny_config(cache_dir, tmp_path / "two", max_steps=4, anchors_per_seq=5)
-    torch.multiprocessing.spawn(_rank_main, args=(1, _free_port(), one.to_dict()), nprocs=1)
-    torch.multiprocessing.spawn(_rank_main, args=(2, _free_port(), two.to_dict()), nprocs=2)
+    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5, eval_every=2)
+    two = tiny_config(cache_dir, tmp_path / "two", max_steps=4, anchors_per_seq=5, eval_every=2,
+                      parallel=parallel)
+    _spawn(1, one)
+    _spawn(2, two)
     lines_one = read_lines(tmp_path / "one" / "metrics.jsonl")
     lines_two = read_lines(tmp_path / "two" / "metrics.jsonl")
     # Same global batch, same weights: only the order of fp32 sums differs.
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([x[key] for x in lines_two], [x[key] for x in lines_one], rtol=1e-5)
     assert [x["tokens"] for x in lines_two] == [x["tokens"] for x in lines_one]
-    a = load_file(str(latest_checkpoint(tmp_path / "one") / "model.safetensors"))
-    b = load_file(str(latest_checkpoint(tmp_path / "two") / "model.safetensors"))
+    assert read_lines(tmp_path / "two" / "events.jsonl")[0]["parallel"] == parallel
+    evals = [[e for e in read_lines(tmp_path / run / "events.jsonl") if e["event"] == "eval"] for run in ("one", "two")]
+    assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]] == [2, 4]
+    for key in ("loss", "tau"):
+        np.testing.assert_allclose([e[key] for e in evals[1]], [e[key] for e in evals[0]], rtol=1e-5)
+    (a, optim_a), (b, optim_b) = _final_state(tmp_path / "one"), _final_state(tmp_path / "two")
+    assert sorted(b) == sorted(a)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+    # The optimizer state is saved unsharded, keyed as one process's AdamW keys it.
+    assert optim_b["param_groups"][0]["params"] == optim_a["param_groups"][0]["params"]
+    for i, state in optim_a["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optim_b["state"][i][key], state[key], rtol=1e-4, atol=1e-9)
+
+
+def test_fsdp_resume_is_exact_and_checkpoints_move_between_modes(cache_dir, tmp_path):
+    """Two FSDP2 ranks, 4 steps with a checkpoint at 2; the run restarted from step 2 ends
+    bit for bit where the straight run did; the same step-2 checkpoint resumed under DDP ends
+    within fp32 tolerance of it (checkpoints are unsharded)."""
+    import shutil
+
+    straight = tiny_config(cache_dir, tmp_path / "straight", max_steps=4, anchors_per_seq=5,
+                           checkpoint_every=2, parallel="fsdp")
+    _spawn(2, straight)
+    for mode in ("fsdp", "ddp"):
+        run = tmp_path / mode
+        shutil.copytree(tmp_path / "straight", run)
+        shutil.rmtree(run / "checkpoints" / "step-00000004")
+        (run / "config.json").write_text(json.dumps({**json.loads((run / "config.json").read_text()),
+                                                     "out": str(run), "parallel": mode}))
+        _spawn(2, FitConfig(**{**straight.to_dict(), "out": str(run), "parallel": mode}))
+        assert read_lines(run / "events.jsonl")[-2]["event"] == "checkpoint"  # resumed, ran, saved
+    want, want_optim = _final_state(tmp_path / "straight")
+    got, got_optim = _final_state(tmp_path / "fsdp")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for i, state in want_optim["state"].items():
+        assert torch.equal(got_optim["state"][i]["exp_avg_sq"], state["exp_avg_sq"])
+    moved, _ = _final_state(tmp_path / "ddp")
+    for name in want:
+        torch.testing.assert_close(moved[name], want[name], rtol=1e-4, atol=1e-6)
+    resumed = [e for e in read_lines(tmp_path / "ddp" / "events.jsonl") if e["event"] == "resume"]
+    assert resumed[-1]["step"] == 2 and resumed[-1]["parallel"] == "ddp"
 
 
 # ---------------------------------------------------------------------------------------

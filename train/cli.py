@@ -43,6 +43,9 @@ def main() -> None:
 @click.option("--eval-fraction", type=float, help="Fraction of sequences held out [0.01].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device [auto].")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype [auto].")
+@click.option("--parallel", type=click.Choice(["auto", "ddp", "fsdp"]),
+              help="Several ranks: DDP, or FSDP2 (shards weights, gradients, optimizer state); auto picks "
+                   "FSDP2 on CUDA when the drafter's training state exceeds a quarter of a GPU [auto].")
 @click.option("--save-initial", is_flag=True, default=None,
               help="Also checkpoint the untrained drafter as step 0 (a baseline for eval).")
 @click.option("--wandb/--no-wandb", default=None, help="Log to Weights & Biases (offline unless configured) [on].")

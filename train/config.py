@@ -19,7 +19,7 @@ LOSSES = ("kl", "ce", "kl+ce")
 # Fields a resumed run may change: they affect bookkeeping, not the numbers.
 RESUMABLE_CHANGES = frozenset({
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
-    "max_consecutive_skips", "attention", "save_initial",
+    "max_consecutive_skips", "attention", "save_initial", "parallel",
 })
 
 
@@ -85,6 +85,9 @@ class FitConfig:
     and optimizer state stay float32."""
     attention: str = "auto"
     """auto (flex on cuda, dense on cpu), flex or dense."""
+    parallel: str = "auto"
+    """Several ranks: ddp, fsdp (FSDP2: parameters, gradients and optimizer state sharded), or
+    auto (fsdp on cuda when 16 bytes per drafter parameter exceed a quarter of a GPU, else ddp)."""
     mask_token_id: int | None = None
     """Mask token id; None: the target's mask token, else its pad token, else its eos token."""
     wandb: bool = True
@@ -127,6 +130,8 @@ class FitConfig:
             raise ValueError(f"fit config: eval_every must be >= 0, got {self.eval_every}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"fit config: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.parallel not in ("auto", "ddp", "fsdp"):
+            raise ValueError(f"fit config: parallel must be auto, ddp or fsdp, got {self.parallel!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"fit config: device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float32"):

@@ -10,14 +10,15 @@ background writer. There is nothing running beside the loop except that writer: 
 read-ahead is one batch, done by the loop itself. `data_time_s` is the time a step spent
 reading rows (the next step's; the first step also reads its own).
 
-Distributed: launched by `torchrun`, one process per device; DDP averages gradients. Each
+Distributed: launched by `torchrun`, one process per device; DDP averages gradients (or
+FSDP2 shards the drafter, its gradients and optimizer state: `--parallel`, train/parallel.py). Each
 rank's summed loss is scaled by world_size / (global label weight), so the averaged gradient
 is exactly the gradient of the global weighted mean: a 2-rank run equals a 1-rank run of the
 same global batch up to floating-point summation order. All ranks see the same reduced loss
 and gradient norm, so the gate's decision needs no extra collective. Rank 0 writes logs and
 checkpoints. Multi-node runs need RUN on a shared filesystem (every rank loads the resume
-checkpoint from it). FSDP2 is not implemented: a drafter of ~1B parameters with its AdamW
-state (~16 GB in fp32) fits on one accelerator, so DDP is the one strategy.
+checkpoint from it). Checkpoints are unsharded under both, so a run can resume under the
+other mode or another world size.
 
 Resume: the newest complete checkpoint holds weights, optimizer, gate and the global step;
 the data position (epoch, step in epoch) follows from the step, and the plan is stateless,
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from dflash.kernels import sparse_kl_loss
 from dflash.shards import open_cache
+from dflash.train import parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from dflash.train.config import FitConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
@@ -128,20 +130,25 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     compute_dtype = _compute_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
     model = DFlashDrafter(drafter_config, attention=config.attention).to(device)  # fp32 master weights
+    num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(config.adam_beta1, config.adam_beta2))
     gate = SpikeGate(GatingConfig(factor=config.spike_factor, warmup_steps=config.spike_warmup_steps,
                                   max_consecutive_skips=config.max_consecutive_skips))
     step = 0
     resume_from = latest_checkpoint(run_dir)
+    optimizer_state = None
     if resume_from is not None:
         model_state, optimizer_state, state = load_checkpoint(resume_from, device)
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+        model.load_state_dict(model_state)  # full weights, before any sharding
         gate.load_state_dict(state["gate"])
         step = int(state["step"])
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    parallel_kind = parallel.choose(config.parallel, num_parameters, world_size, device)
+    wrapped = parallel.wrap(model, parallel_kind, device, world_size)  # fsdp: shards model in place
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2))
+    if optimizer_state is not None:
+        parallel.load_optimizer(model, optimizer, optimizer_state, parallel_kind)
+        del optimizer_state
 
     writer = CheckpointWriter(run_dir, config.keep_checkpoints) if is_main else None
     # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
@@ -152,7 +159,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
                  checkpoint=str(resume_from) if resume_from else None,
                  total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
                  num_sequences=len(corpus), num_train_sequences=int(plan.train_sequences.shape[0]),
-                 num_held_out=int(held_out.sum()), parameters=count_parameters(model),
+                 num_held_out=int(held_out.sum()), parameters=num_parameters, parallel=parallel_kind,
                  held_out_blocks=eval_plan.blocks_per_epoch if eval_plan else 0,
                  world_size=world_size, device=str(device), dtype=str(compute_dtype), gamma=gamma,
                  mask_token_id=drafter_config.mask_token_id)
@@ -161,10 +168,13 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     B = config.block_size
 
     def save_checkpoint() -> None:
+        if writer is None and parallel_kind != "fsdp":
+            return
+        model_state, optimizer_state = parallel.full_state(model, optimizer, parallel_kind)  # fsdp: collective
         if writer is None:
             return
         epoch_index, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        writer.save(step, model.state_dict(), optimizer.state_dict(),
+        writer.save(step, model_state, optimizer_state,
                     {"gate": gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
                      "config": config.to_dict()})
 
@@ -198,7 +208,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             # Global label weight first, so every rank scales its summed loss the same way.
             weight_sum = _all_reduce(batch.weights.sum().double(), world_size)
             with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-                hidden = ddp(head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
+                hidden = wrapped(head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
             rows = hidden[batch.label_rows].to(head.lm_head.dtype)  # [N, H]
             loss_sum, argmax = _loss(rows, head.lm_head, batch, config)
             (loss_sum * (world_size / weight_sum).float()).backward()
@@ -262,7 +272,7 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             if config.eval_every and (step % config.eval_every == 0 or step == total_steps) \
                     and eval_plan is not None:
                 t_eval = time.perf_counter()
-                result = evaluate_held_out(ddp, head, corpus, eval_plan, config, drafter_config, gamma,
+                result = evaluate_held_out(wrapped, head, corpus, eval_plan, config, drafter_config, gamma,
                                            rank, device, compute_dtype)
                 logger.event("eval", step=step, duration_s=time.perf_counter() - t_eval, **result)
                 if is_main:

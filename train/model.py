@@ -301,6 +301,19 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, q_rope, c_rope, attend) -> torch.Tensor:
+        """One layer of the training forward (a module call, so that FSDP2 gathers this
+        layer's parameters around it). hidden [Q, H] block rows, context [C, H] fused target
+        features; attend(q, k_ctx, v_ctx, k_blk, v_blk) -> [Q, h, hd] applies the block mask."""
+        attn = self.self_attn
+        x = self.input_layernorm(hidden)
+        q = attn.project_queries(x, q_rope)  # [Q, h, hd]
+        k_blk, v_blk = attn.project_keys_values(x, q_rope)  # [Q, kvh, hd]
+        k_ctx, v_ctx = attn.project_keys_values(context, c_rope)  # [C, kvh, hd]
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk)
+        hidden = hidden + attn.o_proj(out.flatten(-2))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
 
 # ---------------------------------------------------------------------------------------
 # Training layout and masks
@@ -523,20 +536,17 @@ class DFlashDrafter(nn.Module):
         context = self.fuse_context(context_features.to(self.fc.weight.dtype)).to(dtype)  # [C, H]
         q_rope = rope_cos_sin(layout.block_positions, hd, theta, dtype)
         c_rope = rope_cos_sin(layout.context_positions, hd, theta, dtype)
-        block_mask = self._flex_block_mask(layout) if impl == "flex" else None
+        if impl == "flex":
+            block_mask = self._flex_block_mask(layout)
+
+            def attend(q, k_ctx, v_ctx, k_blk, v_blk):
+                return self._attend_flex(q, k_ctx, v_ctx, k_blk, v_blk, block_mask)
+        else:
+            def attend(q, k_ctx, v_ctx, k_blk, v_blk):
+                return self._attend_dense(q, k_ctx, v_ctx, k_blk, v_blk, layout)
         hidden = block_embeds
         for layer in self.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.project_queries(x, q_rope)  # [Q, h, hd]
-            k_blk, v_blk = attn.project_keys_values(x, q_rope)  # [Q, kvh, hd]
-            k_ctx, v_ctx = attn.project_keys_values(context, c_rope)  # [C, kvh, hd]
-            if impl == "flex":
-                out = self._attend_flex(q, k_ctx, v_ctx, k_blk, v_blk, block_mask)
-            else:
-                out = self._attend_dense(q, k_ctx, v_ctx, k_blk, v_blk, layout)
-            hidden = hidden + attn.o_proj(out.flatten(-2))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer(hidden, context, q_rope, c_rope, attend)
         return self.norm(hidden)
 
     def _attention_impl(self, device: torch.device) -> str:
