@@ -125,9 +125,7 @@ def main() -> None:
         "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
         "--device", "cpu", "--dtype", "float32", "--save-initial",
     ]
-    fit_started = time.monotonic()
-    run(fit_args)
-    fit_s = time.monotonic() - fit_started
+    run(fit_args)  # a finished run is left as it is (fit resumes at its last step: nothing to do)
 
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     initial, final = checkpoints[0], checkpoints[-1]
@@ -148,7 +146,9 @@ def main() -> None:
     print("\n== summary")
     print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
           f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
-    print(f"  training     {steps[-1]['step']} steps in {fit_s:,.0f} s; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
+    train_s = sum(m["step_time_s"] for m in steps)  # from the run's own log: right on a rerun too
+    print(f"  training     {steps[-1]['step']} steps in {train_s:,.0f} s; loss {steps[0]['loss']:.3f} -> "
+          f"{steps[-1]['loss']:.3f}")
     print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
           f"({after['num_anchors']:,} held-out anchors, block {config.block_size})")
     print(f"  tau online   {online['acceptance_length']:.3f} over {online['num_prompts']} held-out prompts "
