@@ -213,6 +213,9 @@ class DataPlan:
 # ---------------------------------------------------------------------------------------
 
 
+PROGRESS_MIN_SEQUENCES = 50_000  # a first-start anchor count over fewer takes seconds: no bar
+
+
 class Corpus:
     """One or more caches seen as one list of sequences (global index = concatenation order).
 
@@ -226,7 +229,7 @@ class Corpus:
     """
 
     def __init__(self, caches: list, index_dir: Path | None = None, *, rank: int = 0, world_size: int = 1,
-                 combine: Callable[[np.ndarray], np.ndarray] | None = None):
+                 combine: Callable[[np.ndarray], np.ndarray] | None = None, progress: bool = False):
         if not caches:
             raise ValueError("no cache given: pass at least one --cache")
         self.caches = caches
@@ -236,7 +239,7 @@ class Corpus:
         sizes = np.array([len(c) for c in caches], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # [num_caches + 1]
         self.lengths = np.concatenate([np.asarray(c.lengths, dtype=np.int64) for c in caches])  # [N]
-        self.num_eligible = self._eligible_counts(index_dir, rank, world_size, combine)
+        self.num_eligible = self._eligible_counts(index_dir, rank, world_size, combine, progress)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -258,7 +261,7 @@ class Corpus:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def _eligible_counts(self, index_dir: Path | None, rank: int, world_size: int,
-                         combine: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+                         combine: Callable[[np.ndarray], np.ndarray] | None, progress: bool) -> np.ndarray:
         path = None if index_dir is None else Path(index_dir) / "anchor_index.npz"
         fingerprint = self.fingerprint()
         if path is not None and path.exists():  # every rank sees the same file: no rank writes yet
@@ -268,7 +271,12 @@ class Corpus:
         if world_size > 1 and combine is None:
             raise ValueError("a Corpus split over several ranks needs `combine` (an all-reduce sum)")
         counts = np.zeros(len(self), dtype=np.int64)  # [N]
-        for s in range(rank, len(self), world_size):
+        mine = range(rank, len(self), world_size)
+        if progress and len(mine) >= PROGRESS_MIN_SEQUENCES:
+            from tqdm import tqdm
+
+            mine = tqdm(mine, desc="counting anchors (first start)", unit="seq", unit_scale=True, mininterval=2)
+        for s in mine:
             cache, index = self.locate(s)
             counts[s] = eligible_anchors(cache.loss_mask(index)).shape[0]  # ~1 byte/token read
         if world_size > 1:

@@ -96,7 +96,8 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     # The first start counts every sequence's anchors, split over the ranks; a resume reads the
     # index rank 0 stored then.
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
-                    combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy())
+                    combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
+                    progress=is_main)
     spec = corpus.spec
     drafter_config = DrafterConfig.from_target(
         caches[0].target_dir, num_hidden_layers=config.num_layers, block_size=config.block_size,
