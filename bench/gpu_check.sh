@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of dflash.kernels.sparse_kl_loss on one CUDA device (written for an H200).
 #
-#   bash bench/gpu_check.sh            # from any directory; about 5 minutes, at most 6
+#   bash bench/gpu_check.sh            # from any directory; about 6 minutes, at most 8.5
 #
 # 1. finds a python with torch (CUDA) and triton; installs nothing from a network (the
 #    device machine has none): set PYTHON=/path/to/python to choose one. Wheels found in
@@ -17,13 +17,15 @@
 #    bf16 Triton against the torch chunked path in fp32 (IEEE matmuls) on the same bf16
 #    values, and against the plain bf16 PyTorch form (the Cut Cross-Entropy criterion);
 #    bitwise determinism of two runs; at N = 2048 the dW (recompute) path in bf16 and fp32;
-# 4. the timing table: python bench/loss_bench.py --device cuda --json (last line JSON).
-# Exit status: 0 all checks passed, 1 a parity check failed, 2 no usable python/GPU.
+# 4. the timing table: python bench/loss_bench.py --device cuda --json (last line JSON);
+# 5. the training path: python bench/gpu_train_check.py --json (Flex vs dense attention, a
+#    short bf16 fit with the Triton loss against a CPU fp32 reference).
+# Exit status: 0 all checks passed, 1 a check failed, 2 no usable python/GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
-TOTAL_BUDGET_S=350      # keep the whole script under 6 minutes
+TOTAL_BUDGET_S=350      # the kernel part (steps 1-4) stays under 6 minutes; step 5 has 150 s
 
 PY=""
 for cand in "${PYTHON:-}" "$REPO/.venv/bin/python" python3 python; do
@@ -49,10 +51,10 @@ fi
 
 # dflash.* is a namespace of top-level folders mapped by pyproject.toml; without an install,
 # a directory holding dflash/kernels -> this checkout's kernels/ gives the same import name.
-if ! "$PY" -c "import dflash.kernels" >/dev/null 2>&1; then
+if ! "$PY" -c "import dflash.kernels, dflash.train" >/dev/null 2>&1; then
   SHIM="$(mktemp -d)"
   mkdir -p "$SHIM/dflash"
-  ln -s "$REPO/kernels" "$SHIM/dflash/kernels"
+  for part in kernels shards train precompute; do ln -s "$REPO/$part" "$SHIM/dflash/$part"; done
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - "$REPO" <<'EOF'
@@ -164,3 +166,12 @@ LEFT=$((TOTAL_BUDGET_S - SECONDS))
 echo "gpu_check: timing table (${LEFT} s left)" >&2
 # The bench skips what remains once its budget is spent; the hard timeout is the backstop.
 timeout $((LEFT > 60 ? LEFT : 60)) "$PY" bench/loss_bench.py --device cuda --json --budget-s $((LEFT > 100 ? LEFT - 60 : 40))
+
+# 5. The training path on CUDA (bench/gpu_train_check.py): Flex Attention against the dense
+#    path (forward and gradients), then a short bf16 fit with Flex and the Triton loss against
+#    a CPU fp32 reference. Its fit part needs pyarrow and safetensors (skipped without them).
+echo "gpu_check: training path (bench/gpu_train_check.py, at most 150 s)" >&2
+if ! timeout 150 "$PY" bench/gpu_train_check.py --json; then
+  echo "gpu_check: FAIL: the training-path check failed (a failed check above, an error, or over 150 s)" >&2
+  exit 1
+fi

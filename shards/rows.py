@@ -91,6 +91,13 @@ def _array(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(dtype, values.size, [None, _buffer(values)])
 
 
+# Value types of the list columns, as numpy dtypes (`DataType.to_pandas_dtype()` needs pandas
+# in some pyarrow releases).
+_NUMPY_DTYPES = {pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
+                 pa.int32(): np.dtype(np.int32), pa.int64(): np.dtype(np.int64),
+                 pa.float16(): np.dtype(np.float16), pa.float32(): np.dtype(np.float32)}
+
+
 def list_values(column: pa.Array) -> np.ndarray:
     """Read-only numpy view of all values of a large_list column of primitives (no nulls).
 
@@ -100,7 +107,7 @@ def list_values(column: pa.Array) -> np.ndarray:
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int64, count=len(column) + 1,
                             offset=column.offset * 8)
     child = column.values
-    dtype = np.dtype(child.type.to_pandas_dtype())
+    dtype = _NUMPY_DTYPES[child.type]
     start = child.offset + int(offsets[0])
     return np.frombuffer(child.buffers()[1], dtype=dtype, count=int(offsets[-1] - offsets[0]),
                          offset=start * dtype.itemsize)

@@ -423,7 +423,8 @@ class CacheWriter:
             try:
                 self._handle(item)
             except BaseException as error:  # noqa: BLE001 - re-raised in the caller
-                error.add_note(f"raised in the background thread of CacheWriter(rank={self.rank})")
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    error.add_note(f"raised in the background thread of CacheWriter(rank={self.rank})")
                 self._error = error
 
     def _handle(self, item: tuple) -> None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -1,0 +1,25 @@
+"""bench/gpu_train_check.py's logic on CPU (--quick): the same checks the GPU run makes,
+minus the CUDA-only ones, so that the prepared GPU script does not fail on a typo."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_train_check_runs_on_cpu(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_check.py"), "--device", "cpu",
+                             "--quick", "--json", "--workdir", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    names = [c["check"] for c in report["checks"]]
+    assert report["failed"] == [] and len(names) == 3, names
+    assert names[0] == "flex vs dense forward, fp32 (relative)"
+    loss = report["fit"]["reference"]["loss"]
+    assert len(loss) == 6 and all(v == v for v in loss)
+    assert (tmp_path / "reference" / "checkpoints" / "step-00000006").is_dir()
