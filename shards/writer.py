@@ -345,11 +345,8 @@ class CacheWriter:
         """Flush the open shard and pending rejects, then mark this rank complete."""
         if self._closed:
             return
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._raise_pending()
+        self._stop_worker()
+        self._raise_pending()
         self._finish_shard()
         write_json_atomic(
             self.shards_dir / _done_name(self.rank),
@@ -362,14 +359,18 @@ class CacheWriter:
             },
         )
 
-    def abort(self) -> None:
-        """Stop without marking the rank complete; the open shard's temporary is deleted."""
-        if self._closed:
-            return
+    def _stop_worker(self) -> None:
+        """Mark the writer closed and let the background thread (if any) drain and exit."""
         self._closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+
+    def abort(self) -> None:
+        """Stop without marking the rank complete; the open shard's temporary is deleted."""
+        if self._closed:
+            return
+        self._stop_worker()
         if self._arrow is not None:
             self._arrow.close()
             self._sink.close()
