@@ -138,12 +138,16 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     step = 0
     resume_from = latest_checkpoint(run_dir)
     optimizer_state = None
+    parallel_kind = parallel.choose(config.parallel, num_parameters, world_size, device)
     if resume_from is not None:
-        model_state, optimizer_state, state = load_checkpoint(resume_from, device)
+        # Under FSDP2 the full checkpoint stays on the host: each tensor goes to the device
+        # only to be sharded (a large drafter's full optimizer state need not fit beside it).
+        model_state, optimizer_state, state = load_checkpoint(
+            resume_from, "cpu" if parallel_kind == "fsdp" else device)
         model.load_state_dict(model_state)  # full weights, before any sharding
+        del model_state
         gate.load_state_dict(state["gate"])
         step = int(state["step"])
-    parallel_kind = parallel.choose(config.parallel, num_parameters, world_size, device)
     wrapped = parallel.wrap(model, parallel_kind, device, world_size)  # fsdp: shards model in place
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(config.adam_beta1, config.adam_beta2))
