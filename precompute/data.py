@@ -237,13 +237,18 @@ class ChatEncoder:
         text = self.render(messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def encode(self, conversation: list[dict[str, str]] | str) -> Encoded:
-        """Tokenize a normalised record; RecordError when no trained token survives."""
+    def encode(self, conversation: list[dict[str, str]] | str, *, cut_turns: frozenset[int] = frozenset()) -> Encoded:
+        """Tokenize a normalised record; RecordError when no trained token survives.
+
+        cut_turns: indices of assistant messages that were cut short (a regenerated reply that
+        hit --max-new-tokens): the template still closes them with its end-of-turn token, but
+        the model did not write it there, so it is left out of the loss mask.
+        """
         if isinstance(conversation, str):
             ids = np.asarray(self.tokenizer(conversation)["input_ids"], dtype=np.int32)  # [T]
             mask = np.ones(len(ids), dtype=bool)  # [T]
         else:
-            ids, mask = self._encode_chat(conversation)
+            ids, mask = self._encode_chat(conversation, cut_turns)
         truncated = len(ids) > self.max_length
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not mask.any():
@@ -254,7 +259,7 @@ class ChatEncoder:
             raise RecordError("no token to train on after tokenization")
         return Encoded(input_ids=ids, loss_mask=mask, truncated=truncated)
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_chat(self, messages: list[dict[str, str]], cut_turns: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
         full = self.render(messages)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)  # [T]
@@ -274,7 +279,7 @@ class ChatEncoder:
             while j < len(ids) and starts[j] < turn_end and ids[j] not in self.special_ids \
                     and not full[starts[j]:ends[j]].strip():
                 j += 1
-            if j < len(ids) and starts[j] < turn_end and ids[j] in self.special_ids:
+            if j < len(ids) and starts[j] < turn_end and ids[j] in self.special_ids and i not in cut_turns:
                 mask[j] = True
             cursor = end
         return ids, mask

@@ -24,7 +24,10 @@ Regeneration (`regenerate=True`) replaces every assistant turn of a conversation
 target's own reply, turn by turn: turn i is generated from the conversation up to it with
 turns before i already regenerated (the user turns stay as they were). Replies stop at an
 end-of-sequence token or `max_new_tokens`; they are decoded without special tokens and put
-back into the conversation, which is then rendered and masked like any other. `text`
+back into the conversation, which is then rendered and masked like any other, except that
+a reply cut at `max_new_tokens` keeps the template's end-of-turn token out of the loss mask
+(the target did not write it there), so the mask holds exactly the tokens the target
+generated. `text`
 records have no turns and are cached as they are. Rank balancing uses the original replies'
 lengths as the estimate of the regenerated ones.
 """
@@ -332,10 +335,16 @@ class _Group:
                 raise ValueError(f"rank {rank} failed while {what}: {failure}")
         return [payload for _, payload in gathered]
 
-    def close(self) -> None:
+    def close(self, *, together: bool) -> None:
+        """together (every rank finished): leave at a barrier first. Rank 0 hosts the
+        rendezvous store, and a rank still talking to it when rank 0 exits can abort in a C++
+        thread ("terminate called without an active exception"). After a failure no barrier:
+        a rank that died would make the others wait for the whole timeout."""
         if self.world_size > 1:
             import torch.distributed as dist
 
+            if together:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -345,9 +354,12 @@ def _worker_main(config: PrecomputeConfig, *, rank: int, world_size: int, local_
                  init_method: str | None) -> PrecomputeSummary:
     group = _Group(rank, world_size, init_method, config.dist_timeout_s)
     try:
-        return _run_rank(config, group, local_rank)
-    finally:
-        group.close()
+        summary = _run_rank(config, group, local_rank)
+    except BaseException:
+        group.close(together=False)
+        raise
+    group.close(together=True)
+    return summary
 
 
 def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> PrecomputeSummary:
@@ -579,6 +591,7 @@ def _regenerate(config, target, encoder, writer, done, members: list[_Item], sta
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if isinstance(c, list) else []
              for c in conversations]
     alive = [True] * len(members)
+    cut: list[set[int]] = [set() for _ in members]  # per conversation: messages cut at max_new_tokens
 
     def drop(j: int, reason: str) -> None:
         alive[j] = False
@@ -612,6 +625,8 @@ def _regenerate(config, target, encoder, writer, done, members: list[_Item], sta
             for j, reply in zip(js, replies):
                 conversations[j][turns[j][round_]]["content"] = target.tokenizer.decode(
                     reply.token_ids, skip_special_tokens=True)
+                if not reply.finished:
+                    cut[j].add(turns[j][round_])
                 if members[j].key not in done:
                     stats.regenerated_replies += 1
                     stats.cut_replies += not reply.finished
@@ -620,7 +635,7 @@ def _regenerate(config, target, encoder, writer, done, members: list[_Item], sta
         if not alive[j]:
             continue
         try:
-            encoded = encoder.encode(conversations[j])
+            encoded = encoder.encode(conversations[j], cut_turns=frozenset(cut[j]))
         except RecordError as error:
             drop(j, str(error))
             continue

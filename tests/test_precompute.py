@@ -202,28 +202,41 @@ def test_regeneration_caches_the_targets_greedy_replies(targets, data, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(targets["qwen3"])
     encoder = ChatEncoder(tokenizer, 3072)
     eos = tokenizer.eos_token_id
-    replies = 0
+    replies = cut_replies = 0
     for i in range(len(cache)):
         seq = cache[i]
         messages = [dict(m) for m in CONVERSATIONS[seq.source["index"]]]
+        cut = set()
         for turn, message in enumerate(messages):  # the reference: a plain argmax loop
             if message["role"] != "assistant":
                 continue
             ids = torch.tensor([encoder.prompt_ids(messages[:turn])])
-            new = []
+            new, finished = [], False
             with torch.no_grad():
                 while len(new) < max_new:
                     token = int(model(ids).logits[0, -1].argmax())
                     if token == eos:
+                        finished = True
                         break
                     new.append(token)
                     ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             message["content"] = tokenizer.decode(new, skip_special_tokens=True)
             replies += 1
-        expected = encoder.encode(messages)
+            if not finished:
+                cut.add(turn)
+        cut_replies += len(cut)
+        expected = encoder.encode(messages, cut_turns=frozenset(cut))
         np.testing.assert_array_equal(seq.input_ids, expected.input_ids)
         np.testing.assert_array_equal(seq.loss_mask, expected.loss_mask)
+        # A reply cut at max_new_tokens keeps the template's end-of-turn token in the
+        # sequence but out of the mask (the target did not write it): the only difference
+        # from masking every turn's end.
+        every_end = encoder.encode(messages).loss_mask
+        unmasked = np.flatnonzero(every_end != seq.loss_mask)
+        assert len(unmasked) == len(cut) and every_end[unmasked].all()
+        assert all(int(seq.input_ids[p]) in encoder.special_ids for p in unmasked)
     assert summary.regenerated_replies == replies == 3
+    assert cut_replies >= 1  # random tiny targets rarely stop within 6 tokens: the cut case is covered
     assert "regenerated  3 replies at temperature 0" in summary.format()
 
 
