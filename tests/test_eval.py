@@ -165,6 +165,17 @@ def test_replay_follows_the_last_reply():
     assert replay_last_reply(loss_mask, anchors, accepted) == [2, 3]
 
 
+def test_replay_of_a_cut_reply_never_commits_past_its_last_token():
+    loss_mask = np.array([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0], dtype=bool)
+    anchors = np.array([2, 3, 7, 8, 9, 10, 11])
+    accepted = np.array([5, 5, 1, 0, 3, 0, 0])
+    # at 9 the drafts for 10, 11, 12 all match: a reply ended by its stop token at 12 counts
+    # the bonus after it (tau 4); one cut at the token limit stops at 12 (tau 3), as online
+    # decoding's shortened last verification does.
+    assert replay_last_reply(loss_mask, anchors, accepted) == [2, 4]
+    assert replay_last_reply(loss_mask, anchors, accepted, cut=True) == [2, 3]
+
+
 def test_target_top1_takes_the_most_likely_cached_id():
     ids = np.array([[4, 7, 9], [1, 2, 3]], np.int32)
     logprobs = np.array([[-3.0, -0.1, -2.0], [-0.5, -0.5, -4.0]], np.float32)

@@ -213,6 +213,11 @@ def test_online_eval_is_lossless_beside_offline(chat_setup):
     assert 1.0 <= online["acceptance_length"] <= 4.0
     assert online["tokens_per_s"] > 0 and online["baseline_tokens_per_s"] > 0
     assert figures["regenerated"] is True and figures["replay_acceptance_length"] is not None
+    # The cache holds the target's greedy replies (cut at 20 tokens or ended by the stop token):
+    # decoding replayed along them commits what online decoding commits, verification for
+    # verification (the drafter sees the same features up to fp32 rounding).
+    assert figures["num_replay_verifications"] == online["num_verifications"]
+    assert figures["replay_acceptance_length"] == pytest.approx(online["acceptance_length"], abs=1e-12)
     assert "online   tau" in result.output and "lossless yes" in result.output
 
 

@@ -21,9 +21,11 @@ a label. accepted(a) = the number of leading scored positions that match; tau(a)
   start at its first token, jump a <- a + tau(a), average tau over the visited anchors.
   This is what `eval --online` measures on that conversation's prompt *when the reply is the
   target's own greedy output* (a cache made with `--regenerate` at temperature 0) and the
-  generation budget covers the reply: then the committed prefix, the context features and
-  the target's choices online are the cached ones, up to the feature codec's rounding and
-  batching numerics. For replies not written by the target (no `--regenerate`, or sampled
+  generation budget is the one the replies were cut at (a reply whose last token is not one
+  of CACHE/target's stop tokens was cut, and the replay commits nothing past its last token,
+  as online decoding's shortened last verification does): then the committed prefix, the
+  context features and the target's choices online are the cached ones, up to the feature
+  codec's rounding and batching numerics. For replies not written by the target (no `--regenerate`, or sampled
   at T > 0), the context is text the target would not have produced, and every offline
   figure is only a proxy for the online one.
 
@@ -115,22 +117,29 @@ def block_acceptance(matches: np.ndarray, scored: np.ndarray) -> np.ndarray:
     return np.cumprod(ok, axis=1).sum(axis=1).astype(np.int64)
 
 
-def replay_last_reply(loss_mask: np.ndarray, anchors: np.ndarray, accepted: np.ndarray) -> list[int]:
+def replay_last_reply(loss_mask: np.ndarray, anchors: np.ndarray, accepted: np.ndarray, *,
+                      cut: bool = False) -> list[int]:
     """tau per verification when greedy decoding of the last reply is replayed from the cache.
 
     Decoding starts at the last reply's first token (online: the token the prefill produced)
     and each verification at anchor a commits tau(a) = accepted(a) + 1 tokens, so the next
     anchor is a + tau(a). It ends at the first position that is not an eligible anchor (the
     reply's last token, or past it).
+
+    cut: the reply was cut at the token limit rather than ended by a stop token. Online
+    decoding then shortens its last verification to the tokens left, so no verification
+    commits past the reply's last token e: tau(a) <= e - a. (A reply that ends with its stop
+    token at e may commit e - a + 1: the bonus after the stop, as online decoding counts it.)
     """
     mask = np.asarray(loss_mask, dtype=bool)
     starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))  # first token of each reply
     if starts.size == 0:
         return []
+    last = int(np.flatnonzero(mask)[-1])  # the last reply's last token
     by_anchor = dict(zip(anchors.tolist(), accepted.tolist()))
     taus, a = [], int(starts[-1])
     while a in by_anchor:
-        taus.append(by_anchor[a] + 1)
+        taus.append(min(by_anchor[a] + 1, last - a) if cut else by_anchor[a] + 1)
         a += taus[-1]
     return taus
 
@@ -147,11 +156,14 @@ def sequence_acceptance(
     block_size: int,
     anchors_per_call: int = 256,
     argmax_rows: int = 1024,
+    stop_token_ids: set[int] | None = None,
 ) -> SequenceAcceptance:
     """Draft every eligible anchor of one sequence and score it against the target's top-1.
 
     input_ids [T] int, loss_mask [T] bool, features [T, L, H] float (the cached target
-    features), top1 [T] int (the target's greedy token after each position).
+    features), top1 [T] int (the target's greedy token after each position). stop_token_ids:
+    the target's stop tokens; a last reply that does not end with one was cut at the token
+    limit, which the replayed decoding respects (`replay_last_reply`).
     """
     device = head.embed_tokens.device
     T = int(input_ids.shape[0])
@@ -180,8 +192,9 @@ def sequence_acceptance(
             greedy_tokens(hidden, head.lm_head, argmax_rows).view(chunk.shape[0], B - 1).cpu().numpy())
     matches = (drafts == expected) & scored
     accepted = block_acceptance(matches, scored)
+    cut = stop_token_ids is not None and mask.any() and int(input_ids[np.flatnonzero(mask)[-1]]) not in stop_token_ids
     return SequenceAcceptance(anchors=anchors, drafts=drafts, matches=matches, scored=scored, accepted=accepted,
-                              replay_taus=replay_last_reply(mask, anchors, accepted))
+                              replay_taus=replay_last_reply(mask, anchors, accepted, cut=cut))
 
 
 @dataclass
@@ -237,9 +250,11 @@ def evaluate_offline(
     block_size: int,
     anchors_per_call: int = 256,
     progress: Any = None,
+    stop_token_ids: set[int] | None = None,
 ) -> dict[str, Any]:
     """Offline acceptance over `sequences` (objects with input_ids, loss_mask, features,
     topk_ids, topk_logprobs, as `Cache.__getitem__` returns). Returns `OfflineTotals.summary()`.
+    stop_token_ids: see `sequence_acceptance`.
     """
     drafter.eval()
     totals = OfflineTotals(block_size=block_size)
@@ -247,7 +262,7 @@ def evaluate_offline(
         totals.add(sequence_acceptance(
             drafter, head, seq.input_ids, seq.loss_mask, seq.features,
             target_top1(seq.topk_ids, seq.topk_logprobs),
-            block_size=block_size, anchors_per_call=anchors_per_call))
+            block_size=block_size, anchors_per_call=anchors_per_call, stop_token_ids=stop_token_ids))
         if progress is not None:
             progress(totals)
     return totals.summary()
@@ -523,6 +538,17 @@ def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
             f"vocabulary {c.vocab_size}: evaluate on a cache of the drafter's target")
 
 
+def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
+    """The target's stop tokens as CACHE/target records them (the eos of target.json and of
+    generation_config.json, as online decoding stops on); None when neither names one."""
+    stops: set[int] = set()
+    for name in ("target.json", "generation_config.json"):
+        path = Path(target_dir) / name
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        stops.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return stops or None
+
+
 def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer, stop token ids) of the target; ValueError if it does not fit the drafter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -598,7 +624,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             bar.set_postfix(tau=f"{1 + totals.accepted_sum / max(totals.num_anchors, 1):.3f}")
 
         sequences = (cache[i] for cache, indices in selection for i in indices)
-        result.update(evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress))
+        result.update(evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress,
+                                       stop_token_ids=cache_stop_token_ids(selection[0][0].target_dir)))
         bar.close()
         result["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
         result["regenerated"] = all(cache.spec.regenerated for cache, _ in selection)
