@@ -28,6 +28,7 @@ so the resumed run computes exactly what the uninterrupted one would have.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -78,6 +79,10 @@ def fit(config: FitConfig) -> FitResult:
         return _fit(config, rank, world_size, device)
     finally:
         if world_size > 1 and dist.is_initialized():
+            # DDP and FSDP2 hold the process group from inside reference cycles; collected
+            # at interpreter exit, Gloo's threads would be torn down without the GIL and the
+            # rank could abort ("terminate called without an active exception").
+            gc.collect()
             dist.destroy_process_group()
 
 
