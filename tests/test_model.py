@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache
+from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
 
 B = 4  # block size
 L = 3  # target features
@@ -220,3 +220,11 @@ def test_config_rejects_bad_values(field, value, message):
 def test_layout_rejects_anchor_past_context():
     with pytest.raises(ValueError, match="anchors must lie"):
         BlockLayout.build([(5, np.array([2, 6]))], B)
+
+
+@pytest.mark.parametrize("content", [b"\x00" * 16, b"not a safetensors file at all"])
+def test_a_damaged_target_head_names_the_file(tmp_path, content):
+    (tmp_path / "head.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match=r"head\.safetensors: cannot read the target's embedding and LM head: "
+                                         r".*rebuild the cache's target/ folder"):
+        TargetHead.load(tmp_path)

@@ -202,7 +202,11 @@ class TargetHead:
         path = Path(target_dir) / "head.safetensors"
         if not path.exists():
             raise ValueError(f"{path} is missing: the cache's target/ folder is incomplete")
-        tensors = load_file(str(path), device=str(device))
+        try:
+            tensors = load_file(str(path), device=str(device))
+        except Exception as error:  # noqa: BLE001 - SafetensorError on a damaged or foreign file
+            raise ValueError(f"{path}: cannot read the target's embedding and LM head: {error}; rebuild "
+                             "the cache's target/ folder with dflash-precompute") from error
         missing = {"embed_tokens.weight", "lm_head.weight"} - tensors.keys()
         if missing:
             raise ValueError(f"{path} lacks {sorted(missing)}: rebuild the cache with dflash-precompute")
