@@ -35,6 +35,15 @@ def impl_kwargs(impl: str, v: int) -> dict:
     return {"impl": impl}
 
 
+def row_weights_and_grads(n, g):
+    """Row weights in [0, 2), an upstream gradient with every fourth row zero, and the
+    generator (for further draws), for the reduction="none" tests."""
+    weights = torch.rand(n, generator=g) * 2
+    grad_output = torch.randn(n, generator=g) * 3
+    grad_output[::4] = 0.0
+    return weights, grad_output, g
+
+
 def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
     """Student hidden/head with logits of std ~logit_std, teacher top-k over random ids with a
     random tail (the k+1-th class of a softmax)."""
@@ -177,10 +186,7 @@ def test_zero_weight_rows_are_inert(impl):
 def test_reduction_none_with_partly_zero_grad_output(impl, tail):
     n, h, v, k = SHAPES["round"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=5)
-    g = torch.Generator().manual_seed(5)
-    weights = torch.rand(n, generator=g) * 2
-    grad_output = torch.randn(n, generator=g) * 3
-    grad_output[::4] = 0.0
+    weights, grad_output, _ = row_weights_and_grads(n, torch.Generator().manual_seed(5))
     ref, ref_dx, _ = loss_and_grads(
         lambda x, w: truth(x, w, ids, logprobs, weights, tail=tail, reduction="none"), hidden, weight,
         grad_output=grad_output.double(),

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import INTERPRETED, TritonConfig, _to_storage
-from test_kernels import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, truth
+from test_kernels import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
 
 
 def test_runs_interpreted():
@@ -56,10 +56,7 @@ def test_modes_with_row_gradients(grads, tail, ce_weight):
     that renorm runs the kernel), against the fp64 truth."""
     n, h, v, k = SHAPES["odd"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=13)
-    g = torch.Generator().manual_seed(13)
-    weights = torch.rand(n, generator=g) * 2
-    grad_output = torch.randn(n, generator=g) * 3
-    grad_output[::4] = 0.0
+    weights, grad_output, g = row_weights_and_grads(n, torch.Generator().manual_seed(13))
     targets = torch.randint(0, v, (n,), generator=g)
     kw = dict(tail=tail, reduction="none", ce_targets=targets, ce_weight=ce_weight)
 

@@ -25,9 +25,9 @@ a label. accepted(a) = the number of leading scored positions that match; tau(a)
   of CACHE/target's stop tokens was cut, and the replay commits nothing past its last token,
   as online decoding's shortened last verification does): then the committed prefix, the
   context features and the target's choices online are the cached ones, up to the feature
-  codec's rounding and batching numerics. For replies not written by the target (no `--regenerate`, or sampled
-  at T > 0), the context is text the target would not have produced, and every offline
-  figure is only a proxy for the online one.
+  codec's rounding and batching numerics. For replies not written by the target (no
+  `--regenerate`, or sampled at T > 0), the context is text the target would not have
+  produced, and every offline figure is only a proxy for the online one.
 
 Online (`--online`): real greedy speculative decoding, batch 1, with the Hugging Face target
 verifying (see `dflash.train.speculative`). Prompts are JSONL records in the styles stage one
@@ -538,6 +538,11 @@ def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
             f"vocabulary {c.vocab_size}: evaluate on a cache of the drafter's target")
 
 
+def _token_id_set(value: int | list[int] | tuple[int, ...] | None) -> set[int]:
+    """An `eos_token_id` field (one id, several, or none) as a set."""
+    return set(value) if isinstance(value, (list, tuple)) else set() if value is None else {value}
+
+
 def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
     """The target's stop tokens as CACHE/target records them (the eos of target.json and of
     generation_config.json, as online decoding stops on); None when neither names one."""
@@ -545,7 +550,7 @@ def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
     for name in ("target.json", "generation_config.json"):
         path = Path(target_dir) / name
         eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-        stops.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        stops |= _token_id_set(eos)
     return stops or None
 
 
@@ -568,7 +573,7 @@ def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.devic
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = text_config.eos_token_id
-    stop = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    stop = _token_id_set(eos)
     return model, tokenizer, stop
 
 
