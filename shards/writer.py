@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.shards import codecs, rows
+from dflash.shards.files import fsync_dir, write_atomic, write_json_atomic
 from dflash.shards.spec import FORMAT_VERSION, CacheSpec
 
 SHARDS_DIR = "shards"
@@ -55,27 +56,6 @@ def _done_name(rank: int) -> str:
     return f"rank{rank:05d}.done.json"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary name, fsync and rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def file_sha256(path: Path, chunk_bytes: int = 8 * 2**20) -> str:
