@@ -142,7 +142,7 @@ def short_fit(checks: Checks, device: torch.device, quick: bool, workdir: Path) 
         # update, so the schedule's length does not matter): one step.
         only = dict(max_steps=1, checkpoint_every=1) if name == "reference" and len(settings) > 1 else {}
         t0 = time.perf_counter()
-        fit(FitConfig(out=str(out), **{**common, **only}, **setting))
+        fit(FitConfig.from_dict({"out": str(out), **common, **only, **setting}))
         seconds = time.perf_counter() - t0
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
         runs[name] = {"loss": [m["loss"] for m in metrics], "seconds": seconds,

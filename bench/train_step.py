@@ -59,11 +59,11 @@ def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int
     t0 = time.perf_counter()
     write_synthetic_training_cache(cache, lengths=[length] * num_sequences, seed=0, **shape)
     cache_s = time.perf_counter() - t0
-    config = FitConfig(cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers,
-                       block_size=16, anchors_per_seq=anchors_per_seq, tokens_per_step=tokens_per_step,
-                       max_steps=steps, checkpoint_every=checkpoint_every, keep_checkpoints=1,
-                       eval_every=0, eval_fraction=0.0, device="cuda" if section == "gpu" else "cpu",
-                       wandb=False, log_every=10**9, spike_warmup_steps=10**9)
+    config = FitConfig.from_dict(dict(
+        cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers, block_size=16,
+        anchors_per_seq=anchors_per_seq, tokens_per_step=tokens_per_step, max_steps=steps,
+        checkpoint_every=checkpoint_every, keep_checkpoints=1, eval_every=0, eval_fraction=0.0,
+        device="cuda" if section == "gpu" else "cpu", wandb=False, log_every=10**9, spike_warmup_steps=10**9))
     fit(config)
     metrics = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (Path(config.out) / "events.jsonl").read_text().splitlines()]
@@ -126,17 +126,17 @@ def mfu(config: FitConfig, cache: Path, step_s: float, metrics: list[dict]) -> d
     from dflash.shards import open_cache
 
     c = open_cache(cache)
-    drafter = DrafterConfig.from_target(c.target_dir, num_hidden_layers=config.num_layers,
-                                        block_size=config.block_size)
+    B = config.model.block_size
+    drafter = DrafterConfig.from_target(c.target_dir, num_hidden_layers=config.model.num_layers, block_size=B)
     anchors = np.concatenate([eligible_anchors(c.raw(i).loss_mask) for i in range(len(c))])
     mean_anchor = float(anchors.mean())  # visible context per query
     tokens = metrics[-1]["tokens"]
-    rows = tokens * (config.block_size - 1) / config.block_size
+    rows = tokens * (B - 1) / B
     h, v, L = drafter.hidden_size, drafter.vocab_size, drafter.num_target_features
     per_step = tokens * model_flops_per_token(drafter, mean_anchor)
     per_step += 4.0 * rows * h * v
-    context_rows = tokens / config.block_size * mean_anchor  # upper bound: one context per block
-    context_rows = min(context_rows, metrics[-1]["tokens"] / config.anchors_per_seq / config.block_size
+    context_rows = tokens / B * mean_anchor  # upper bound: one context per block
+    context_rows = min(context_rows, metrics[-1]["tokens"] / config.data.anchors_per_seq / B
                        * float(np.mean(c.lengths)))  # each sequence's context is read once per step
     kv = 2 * drafter.num_key_value_heads * drafter.head_dim
     per_step += context_rows * (4.0 * L * h * h + drafter.num_hidden_layers * 4.0 * h * kv)
@@ -148,10 +148,11 @@ PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
 def run_smollm2(cache: Path, workdir: Path, steps: int, tokens_per_step: int) -> dict:
     """A short real run on a SmolLM2-135M cache: does the loss fall? First/last metrics lines."""
-    config = FitConfig(cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, block_size=16,
-                       anchors_per_seq=32, tokens_per_step=tokens_per_step, max_steps=steps, epochs=1000,
-                       checkpoint_every=steps, keep_checkpoints=1, eval_every=max(1, steps // 4),
-                       eval_fraction=0.05, device="cpu", wandb=False, log_every=25)
+    config = FitConfig.from_dict(dict(
+        cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, block_size=16, anchors_per_seq=32,
+        tokens_per_step=tokens_per_step, max_steps=steps, epochs=1000, checkpoint_every=steps,
+        keep_checkpoints=1, eval_every=max(1, steps // 4), eval_fraction=0.05, device="cpu", wandb=False,
+        log_every=25))
     fit(config)
     run_dir = Path(config.out)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -41,7 +41,7 @@ def fit_run(cache: Path, out: Path, **overrides) -> Path:
                   epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=3, eval_every=0,
                   eval_fraction=0.25, wandb=False, log_every=1)
     fields.update(overrides)
-    fit(FitConfig(**fields))
+    fit(FitConfig.from_dict(fields))
     return out
 
 

@@ -41,7 +41,7 @@ def tiny_config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
                   epochs=2, tokens_per_step=96, checkpoint_every=3, keep_checkpoints=10, eval_every=0,
                   eval_fraction=0.1, wandb=False, spike_warmup_steps=2, log_every=1)
     fields.update(overrides)
-    return FitConfig(**fields)
+    return FitConfig.from_dict(fields)
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -58,7 +58,7 @@ import torch
 from dflash.train import checkpoint, fit as fit_module
 from dflash.train.config import FitConfig
 
-config = FitConfig(**json.loads(sys.argv[1]))
+config = FitConfig.from_dict(json.loads(sys.argv[1]))
 kill_at, mode = int(sys.argv[2]), sys.argv[3]
 if mode == "between-checkpoints":
     # Finish each checkpoint before the next step, so that the kill surely lands after the
@@ -148,11 +148,11 @@ def test_metrics_and_events(cache_dir, tmp_path, capsys):
     result = fit(config)
     lines = read_lines(tmp_path / "run" / "metrics.jsonl")
     assert result.step == result.total_steps == len(lines)
-    steps_per_epoch = result.total_steps // config.epochs
+    steps_per_epoch = result.total_steps // config.data.epochs
     for line in lines:
         assert tuple(line) == STEP_KEYS
-        assert len(line["accuracy"]) == config.block_size - 1
-        assert line["tokens"] <= config.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
+        assert len(line["accuracy"]) == config.model.block_size - 1
+        assert line["tokens"] <= config.data.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
         assert line["epoch"] == pytest.approx(line["step"] / steps_per_epoch)
         assert line["epoch_index"] == (line["step"] - 1) // steps_per_epoch + 1
     events = read_lines(tmp_path / "run" / "events.jsonl")
@@ -178,7 +178,7 @@ def test_held_out_sequences_are_never_trained_on(cache_dir, tmp_path, monkeypatc
     monkeypatch.setattr(fit_module, "read_batch", spy)
     config = tiny_config(cache_dir, tmp_path / "run", eval_fraction=0.25, eval_every=2)
     fit(config)
-    held_out = set(np.flatnonzero(fit_module.held_out_mask(len(LENGTHS), 0.25, config.seed)).tolist())
+    held_out = set(np.flatnonzero(fit_module.held_out_mask(len(LENGTHS), 0.25, config.data.seed)).tolist())
     assert len(held_out) == 4 and seen and not held_out & set(seen)
 
 
@@ -230,10 +230,10 @@ def _plan(config: FitConfig):
     from dflash.train.data import Corpus, DataPlan, held_out_mask
 
     corpus = Corpus([open_cache(config.cache[0])])
-    return DataPlan(num_eligible=corpus.num_eligible, held_out=held_out_mask(len(corpus), config.eval_fraction,
-                                                                             config.seed),
-                    block_size=config.block_size, anchors_per_seq=config.anchors_per_seq,
-                    tokens_per_step=config.tokens_per_step, seed=config.seed, world_size=1)
+    return DataPlan(num_eligible=corpus.num_eligible,
+                    held_out=held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed),
+                    block_size=config.model.block_size, anchors_per_seq=config.data.anchors_per_seq,
+                    tokens_per_step=config.data.tokens_per_step, seed=config.data.seed, world_size=1)
 
 
 def test_persistent_spikes_stop_the_run(cache_dir, tmp_path, monkeypatch):
@@ -257,7 +257,7 @@ def _rank_main(rank: int, world_size: int, port: int, config_dict: dict) -> None
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    fit(FitConfig(**config_dict))
+    fit(FitConfig.from_dict(config_dict))
 
 
 def _free_port() -> int:
@@ -322,7 +322,7 @@ def test_fsdp_resume_is_exact_and_checkpoints_move_between_modes(cache_dir, tmp_
         shutil.rmtree(run / "checkpoints" / "step-00000004")
         (run / "config.json").write_text(json.dumps({**json.loads((run / "config.json").read_text()),
                                                      "out": str(run), "parallel": mode}))
-        _spawn(2, FitConfig(**{**straight.to_dict(), "out": str(run), "parallel": mode}))
+        _spawn(2, FitConfig.from_dict({**straight.to_dict(), "out": str(run), "parallel": mode}))
         assert read_lines(run / "events.jsonl")[-2]["event"] == "checkpoint"  # resumed, ran, saved
     want, want_optim = _final_state(tmp_path / "straight")
     got, got_optim = _final_state(tmp_path / "fsdp")

@@ -22,15 +22,16 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def test_save_initial_keeps_the_untrained_weights(cache_dir, tmp_path):
-    config = FitConfig(cache=[str(cache_dir)], out=str(tmp_path / "run"), num_layers=1, block_size=4,
-                       anchors_per_seq=6, epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=100,
-                       eval_every=0, eval_fraction=0.1, wandb=False, save_initial=True, seed=3)
+    config = FitConfig.from_dict(dict(
+        cache=[str(cache_dir)], out=str(tmp_path / "run"), num_layers=1, block_size=4, anchors_per_seq=6,
+        epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.1,
+        wandb=False, save_initial=True, seed=3))
     fit(config)
     checkpoints = list_checkpoints(Path(config.out))
     assert len(checkpoints) == 2 and checkpoints[0].name == "step-00000000"
     assert checkpoints[1].name != checkpoints[0].name
 
-    torch.manual_seed(config.seed)  # fit builds the drafter right after seeding, before any step
+    torch.manual_seed(config.data.seed)  # fit builds the drafter right after seeding, before any step
     drafter_config = DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=1, block_size=4)
     expected = DFlashDrafter(drafter_config).state_dict()
     initial = load_file(checkpoints[0] / "model.safetensors")

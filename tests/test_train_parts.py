@@ -9,7 +9,7 @@ import torch
 
 from dflash.train import checkpoint as checkpoint_module
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
-from dflash.train.config import FitConfig, check_resume, resolve
+from dflash.train.config import FitConfig, LossConfig, check_resume, resolve
 from dflash.train.fit import lr_at
 from dflash.train.gating import GatingConfig, SpikeGate
 from dflash.train.logging import console_line, format_duration, tau_estimate
@@ -27,7 +27,7 @@ def test_lr_schedule(step, expected):
 
 
 def warmed_gate(steps: int = 5, loss: float = 2.0, grad_norm: float = 1.0) -> SpikeGate:
-    gate = SpikeGate(GatingConfig(factor=3.0, warmup_steps=3, max_consecutive_skips=2))
+    gate = SpikeGate(GatingConfig(spike_factor=3.0, spike_warmup_steps=3, max_consecutive_skips=2))
     for _ in range(steps):
         gate.record(loss, grad_norm, skipped=False)
     return gate
@@ -163,8 +163,8 @@ def test_toml_then_flags(tmp_path):
     path = tmp_path / "fit.toml"
     path.write_text('cache = ["a", "b"]\nout = "run"\nblock-size = 8\nlr = 1e-3\ndecay_gamma = "auto"\n')
     config = resolve(path, {"lr": 2e-3, "epochs": None})
-    assert config.cache == ["a", "b"] and config.block_size == 8 and config.lr == 2e-3
-    assert config.epochs == 6 and config.decay_gamma is None
+    assert config.cache == ["a", "b"] and config.model.block_size == 8 and config.optimizer.lr == 2e-3
+    assert config.data.epochs == 6 and config.loss.decay_gamma is None
 
 
 @pytest.mark.parametrize("text,message", [
@@ -183,11 +183,12 @@ def test_config_errors_name_the_field(tmp_path, text, message):
 
 
 def test_resume_refuses_a_changed_numeric_field(tmp_path):
-    saved = FitConfig(cache=["c"], out=str(tmp_path), lr=1e-3)
+    saved = FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path), "lr": 1e-3})
     (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
-    check_resume(tmp_path / "config.json", FitConfig(cache=["c"], out=str(tmp_path), lr=1e-3, eval_every=7))
+    check_resume(tmp_path / "config.json", FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path), "lr": 1e-3,
+                                                              "eval_every": 7}))
     with pytest.raises(ValueError, match="lr = 0.001"):
-        check_resume(tmp_path / "config.json", FitConfig(cache=["c"], out=str(tmp_path), lr=2e-3))
+        check_resume(tmp_path / "config.json", FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path), "lr": 2e-3}))
 
 
 # -- console -------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def test_loss_matches_materialised_reference(kind, seed):
     topk_ids = torch.stack([torch.randperm(V)[:k] for _ in range(N)])  # [N, k]
     q = torch.softmax(torch.randn(N, k + 1), -1)[:, :k]  # a tail of mass q[:, k] left out
     batch = SimpleNamespace(topk_ids=topk_ids, topk_logprobs=q.log(), weights=torch.rand(N))
-    config = FitConfig(cache=["c"], out="r", loss=kind, ce_weight=0.5)
+    config = LossConfig(loss=kind, ce_weight=0.5)
     loss, argmax = _loss(hidden, weight, batch, config)
 
     logp = torch.log_softmax(hidden.double() @ weight.double().T, -1)  # [N, V]

@@ -2,13 +2,23 @@
 from train/evaluate.py and train/export.py through `main.command()` / `main.add_command`.
 
 Commands stay thin: build the config, call one plain function (which tests call directly).
+`fit`'s options are generated from FitConfig's fields (train/config.py): one flag per field,
+its help the field's docstring and default.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
 import click
 
-from dflash.train.config import resolve
+from dflash.train.config import FieldInfo, describe_fields, resolve
+
+# Fields that name folders: click checks that they are not files.
+_FOLDER_FIELDS = ("cache", "out")
 
 
 @click.group()
@@ -16,50 +26,83 @@ def main() -> None:
     """Train, evaluate and export a DFlash drafter from dflash caches."""
 
 
+class _OrNone(click.ParamType):
+    """A number, or the field's none word (kept as the word: `resolve` maps it to None after
+    the config file, so that the flag overrides a value given there)."""
+
+    def __init__(self, base: type, word: str) -> None:
+        self.base, self.word = base, word
+        self.name = f"{base.__name__}|{word}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == self.word or isinstance(value, self.base):
+            return value
+        try:
+            return self.base(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither {self.word!r} nor a number", param, ctx)
+
+
+def _option(info: FieldInfo):
+    """The click option of one config field: --name-with-dashes, typed, help with default."""
+    flag = "--" + info.name.replace("_", "-")
+    kind = info.type
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`: the X
+        kind = next(a for a in args if a is not type(None))
+    kwargs: dict[str, Any] = {"default": None, "help": _help(info)}
+    if kind is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", info.name, **kwargs)
+    if info.name in _FOLDER_FIELDS:
+        kwargs["type"] = click.Path(file_okay=False)
+    elif typing.get_origin(kind) is Literal:
+        kwargs["type"] = click.Choice(typing.get_args(kind))
+    elif info.none_word is not None:
+        kwargs["type"] = _OrNone(kind, info.none_word)
+    elif typing.get_origin(kind) is list:
+        kwargs["type"] = typing.get_args(kind)[0]
+    else:
+        kwargs["type"] = kind
+    if typing.get_origin(kind) is list:
+        kwargs["multiple"] = True
+        kwargs["default"] = ()
+    return click.option(flag, info.name, **kwargs)
+
+
+def _help(info: FieldInfo) -> str:
+    default = info.default
+    if default is dataclasses.MISSING or (default is None and info.none_word is None):
+        shown = ""
+    elif default is None:
+        shown = info.none_word
+    elif isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, float):
+        shown = f"{default:g}"
+    else:
+        shown = str(default)
+    return f"{info.doc} [{shown}]" if shown else info.doc
+
+
+def _fit_options(command):
+    """Decorate `command` with --cache, --out, --config, then one option per config field."""
+    config_file = click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, exists=True),
+        help="TOML file with the same fields (top level, or in [section] tables); flags override it.")
+    fields = [_option(info) for info in describe_fields()]
+    for decorate in reversed([*fields[:2], config_file, *fields[2:]]):  # the first decorator is listed last
+        command = decorate(command)
+    return command
+
+
 @main.command()
-@click.option("--cache", "cache", multiple=True, type=click.Path(file_okay=False),
-              help="Cache folder (repeat for several; sequences are concatenated in order).")
-@click.option("--out", type=click.Path(file_okay=False), help="Run folder; rerunning with it resumes.")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
-              help="TOML file with the same fields; flags override it.")
-@click.option("--num-layers", type=int, help="Drafter decoder layers [5].")
-@click.option("--block-size", type=int, help="Block size: anchor + predictions [16].")
-@click.option("--anchors-per-seq", type=int, help="Blocks per sequence per epoch [512].")
-@click.option("--epochs", type=int, help="Epochs [6].")
-@click.option("--max-steps", type=int, help="Stop after this many steps (the schedule spans them).")
-@click.option("--tokens-per-step", type=int, help="Block tokens per step over all ranks [131072].")
-@click.option("--lr", type=float, help="Peak learning rate [6e-4].")
-@click.option("--warmup-ratio", type=float, help="Warm-up fraction of the steps [0.04].")
-@click.option("--grad-clip", type=float, help="Gradient norm clip [1.0].")
-@click.option("--loss", type=click.Choice(["kl", "ce", "kl+ce"]), help="Loss [kl].")
-@click.option("--decay-gamma", help="Position-weight decay gamma, or 'auto' [auto].")
-@click.option("--seed", type=int, help="Seed [0].")
-@click.option("--spike-factor", type=float, help="Skip steps above this x running mean [3.0].")
-@click.option("--spike-warmup-steps", type=int, help="Accepted steps before gating applies [50].")
-@click.option("--max-consecutive-skips", type=int, help="Stop after this many skips in a row [20].")
-@click.option("--checkpoint-every", type=int, help="Steps between checkpoints [1000].")
-@click.option("--keep-checkpoints", type=int, help="Checkpoints kept [3].")
-@click.option("--eval-every", type=int, help="Steps between held-out evaluations, 0 = never [1000].")
-@click.option("--eval-fraction", type=float, help="Fraction of sequences held out [0.01].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device [auto].")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype [auto].")
-@click.option("--parallel", type=click.Choice(["auto", "ddp", "fsdp"]),
-              help="Several ranks: DDP, or FSDP2 (shards weights, gradients, optimizer state); auto picks "
-                   "FSDP2 on CUDA when the drafter's training state exceeds a quarter of a GPU [auto].")
-@click.option("--save-initial", is_flag=True, default=None,
-              help="Also checkpoint the untrained drafter as step 0 (a baseline for eval).")
-@click.option("--wandb/--no-wandb", default=None, help="Log to Weights & Biases (offline unless configured) [on].")
-def fit(config_file, decay_gamma, **options) -> None:
+@_fit_options
+def fit(config_file, **options) -> None:
     """Train the drafter from one or more caches (resumes when RUN holds a checkpoint)."""
     from dflash.train.fit import SpikeStop, fit as run_fit
 
-    options["cache"] = list(options["cache"]) or None
-    if decay_gamma is not None:
-        try:
-            options["decay_gamma"] = "auto" if decay_gamma == "auto" else float(decay_gamma)
-        except ValueError:
-            raise click.BadParameter(f"{decay_gamma!r} is neither 'auto' nor a number",
-                                     param_hint="--decay-gamma") from None
+    options = {name: list(value) or None if isinstance(value, tuple) else value
+               for name, value in options.items()}
     try:
         config = resolve(config_file, options)
     except ValueError as error:

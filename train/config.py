@@ -1,41 +1,65 @@
-"""`dflash-train fit`'s configuration: one dataclass, loadable from TOML, overridable by flags.
+"""`dflash-train fit`'s configuration: one dataclass per component, composed into `FitConfig`.
 
-The TOML file uses the field names below at top level (`cache` is a list of paths, the
-rest scalars); flags override it; the resolved config is written to `RUN/config.json`.
+Every leaf field's name is unique over all components and is its one user-facing key: the
+flag (`spike_factor` is `--spike-factor`), the TOML key (at top level, or inside its
+component's table, `[gating]`), and the key in `RUN/config.json`, which is flat (one key per
+leaf field, `FitConfig.to_dict`). Each field's default and docstring exist once, here (or in
+the component's own module); the flags' help is generated from them (`describe_fields`).
+
 A rerun with the same RUN resumes, and refuses a config that differs in a field that would
-change the numbers (`RESUMABLE_CHANGES` lists the fields that may change between runs).
+change the numbers (`RESUMABLE_CHANGES` lists the fields that may change between runs). A
+field missing from a saved config.json (one written before the field existed) counts as its
+default.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import json
+import textwrap
+import typing
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-LOSSES = ("kl", "ce", "kl+ce")
+from dflash.train.gating import GatingConfig
 
-# Fields a resumed run may change: they affect bookkeeping, not the numbers.
-RESUMABLE_CHANGES = frozenset({
-    "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
-    "max_consecutive_skips", "attention", "save_initial", "parallel",
-})
+# A field whose metadata holds NONE_WORD also accepts that word (flag or TOML) for None.
+NONE_WORD = "none_word"
+AUTO = {NONE_WORD: "auto"}
+
+
+def _positive(config: Any, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"fit config: {name} must be >= 1, got {getattr(config, name)}")
 
 
 @dataclass(kw_only=True)
-class FitConfig:
-    cache: list[str]
-    """Cache folders (written by dflash-precompute); sequences are concatenated in this order."""
-    out: str
-    """Run folder: config, checkpoints, metrics; rerunning with it resumes."""
+class ModelConfig:
     num_layers: int = 5
     """Drafter decoder layers."""
     block_size: int = 16
     """Tokens per block: the anchor and block_size - 1 predictions."""
+    mask_token_id: int | None = field(default=None, metadata=AUTO)
+    """Mask token id; auto: the target's mask token, else its pad token, else its eos token."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers")
+        if self.block_size < 2:
+            raise ValueError(f"fit config: block_size must be >= 2, got {self.block_size}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
     anchors_per_seq: int = 512
     """Blocks per sequence per epoch (capped by the sequence's eligible positions)."""
     epochs: int = 6
@@ -44,6 +68,17 @@ class FitConfig:
     """Train at most this many steps; the learning-rate schedule then spans them."""
     tokens_per_step: int = 131072
     """Block tokens (anchors x block size) per optimizer step, over all ranks together."""
+    seed: int = 0
+    """Seed of the initial weights, the epoch permutations, anchors and the held-out set."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "anchors_per_seq", "epochs", "tokens_per_step")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"fit config: max_steps must be >= 1 (or unset), got {self.max_steps}")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
     lr: float = 6e-4
     """Peak learning rate (AdamW)."""
     warmup_ratio: float = 0.04
@@ -56,51 +91,105 @@ class FitConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (the norm before clipping is logged)."""
-    loss: str = "kl"
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not 0 <= self.warmup_ratio < 1 or not self.grad_clip > 0:
+            raise ValueError("fit config: lr and grad_clip must be > 0 and warmup_ratio in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    loss: Literal["kl", "ce", "kl+ce"] = "kl"
     """kl: sparse KL to the cached top-k with a tail bucket; ce: cross-entropy to the target's
     top-1; kl+ce: kl + ce_weight * ce."""
     ce_weight: float = 0.5
     """Weight of the cross-entropy term in kl+ce."""
-    decay_gamma: float | None = None
-    """Position weights exp(-(k-1)/gamma); None: by block size (7 for 16, 5 for 10, 4 for 8)."""
-    seed: int = 0
-    """Seed of the initial weights, the epoch permutations, anchors and the held-out set."""
-    spike_factor: float = 3.0
-    """Skip a step whose loss or grad norm exceeds this x its running mean."""
-    spike_warmup_steps: int = 50
-    """Accepted steps before the spike test applies."""
-    max_consecutive_skips: int = 20
-    """Stop after this many skipped steps in a row."""
+    decay_gamma: float | None = field(default=None, metadata=AUTO)
+    """Position weights exp(-(k-1)/gamma); auto: by block size (7 for 16, 5 for 10, 4 for 8)."""
+
+    def __post_init__(self) -> None:
+        if self.decay_gamma is not None and not self.decay_gamma > 0:
+            raise ValueError(f"fit config: decay_gamma must be > 0 (or auto), got {self.decay_gamma}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
     checkpoint_every: int = 1000
     """Steps between checkpoints (one is also written at the end)."""
     keep_checkpoints: int = 3
     """Complete checkpoints kept (the oldest are deleted)."""
+    save_initial: bool = False
+    """Also checkpoint the untrained drafter as step 0, a baseline for `dflash-train eval`."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "checkpoint_every", "keep_checkpoints")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
     eval_every: int = 1000
     """Steps between held-out evaluations (0: never)."""
     eval_fraction: float = 0.01
     """Fraction of the sequences held out (never trained on)."""
     eval_tokens: int = 131072
     """Block tokens scored per held-out evaluation (the start of a fixed held-out stream)."""
-    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive(self, "eval_tokens")
+        if self.eval_every < 0:
+            raise ValueError(f"fit config: eval_every must be >= 0, got {self.eval_every}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"fit config: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (cuda when available), cpu or cuda."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16 or float32; weights
     and optimizer state stay float32."""
-    attention: str = "auto"
+    attention: Literal["auto", "flex", "dense"] = "auto"
     """auto (flex on cuda, dense on cpu), flex or dense."""
-    parallel: str = "auto"
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     """Several ranks: ddp, fsdp (FSDP2: parameters, gradients and optimizer state sharded), or
     auto (fsdp on cuda when 16 bytes per drafter parameter exceed a quarter of a GPU, else ddp)."""
-    mask_token_id: int | None = None
-    """Mask token id; None: the target's mask token, else its pad token, else its eos token."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_every: int = 10
+    """Steps between console lines (metrics.jsonl gets every step)."""
     wandb: bool = True
     """Log to Weights & Biases (offline unless WANDB_MODE says otherwise)."""
     wandb_project: str = "dflash"
     """W&B project name."""
-    log_every: int = 10
-    """Steps between console lines (metrics.jsonl gets every step)."""
-    save_initial: bool = False
-    """Also checkpoint the untrained drafter as step 0, a baseline for `dflash-train eval`."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "log_every")
+
+
+@dataclass(kw_only=True)
+class FitConfig:
+    """The whole configuration of a run: its inputs and output, then one config per component.
+
+    `FitConfig.from_dict` builds it from the flat keys (TOML, flags, RUN/config.json);
+    `to_dict` gives them back.
+    """
+
+    cache: list[str]
+    """Cache folders (written by dflash-precompute); sequences are concatenated in this order."""
+    out: str
+    """Run folder: config, checkpoints, metrics; rerunning with it resumes."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    gating: GatingConfig = field(default_factory=GatingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, (str, Path)):
@@ -109,48 +198,136 @@ class FitConfig:
         self.out = str(self.out)
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
-        positive = ("num_layers", "anchors_per_seq", "epochs", "tokens_per_step", "checkpoint_every",
-                    "keep_checkpoints", "log_every", "eval_tokens")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"fit config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ValueError(f"fit config: block_size must be >= 2, got {self.block_size}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"fit config: max_steps must be >= 1 (or unset), got {self.max_steps}")
-        if self.tokens_per_step % self.block_size:
+        if self.data.tokens_per_step % self.model.block_size:
             raise ValueError(
-                f"fit config: tokens_per_step ({self.tokens_per_step}) must be a multiple of "
-                f"block_size ({self.block_size})"
+                f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of "
+                f"block_size ({self.model.block_size})"
             )
-        if not self.lr > 0 or not 0 <= self.warmup_ratio < 1 or not self.grad_clip > 0:
-            raise ValueError("fit config: lr and grad_clip must be > 0 and warmup_ratio in [0, 1)")
-        if self.loss not in LOSSES:
-            raise ValueError(f"fit config: loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.decay_gamma is not None and not self.decay_gamma > 0:
-            raise ValueError(f"fit config: decay_gamma must be > 0 (or auto), got {self.decay_gamma}")
-        if self.eval_every < 0:
-            raise ValueError(f"fit config: eval_every must be >= 0, got {self.eval_every}")
-        if not 0 <= self.eval_fraction < 1:
-            raise ValueError(f"fit config: eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.parallel not in ("auto", "ddp", "fsdp"):
-            raise ValueError(f"fit config: parallel must be auto, ddp or fsdp, got {self.parallel!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"fit config: device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"fit config: dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
-        if self.attention not in ("auto", "flex", "dense"):
-            raise ValueError(f"fit config: attention must be auto, flex or dense, got {self.attention!r}")
+        for owner in (self, *self.components().values()):
+            _check_choices(owner)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def components(self) -> dict[str, Any]:
+        """The component configs by section name (`model`, `data`, ...)."""
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> FitConfig:
+        """From flat keys (leaf field names; a field's none word, e.g. "auto", means None)."""
+        unknown = sorted(set(values) - set(LEAVES))
+        if unknown:
+            raise ValueError(f"fit config: unknown field(s) {unknown}; known fields: {sorted(LEAVES)}")
+        sections: dict[str | None, dict[str, Any]] = {}
+        for name, value in values.items():
+            section, spec = LEAVES[name]
+            if isinstance(value, str) and value == spec.metadata.get(NONE_WORD):
+                value = None
+            sections.setdefault(section, {})[name] = value
+        parts = {section: COMPONENTS[section](**kwargs) for section, kwargs in sections.items() if section}
+        return cls(**sections.get(None, {}), **parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat keys: RUN/config.json, the checkpoint's state.json and W&B's config."""
+        nested = dataclasses.asdict(self)
+        flat = {name: value for name, value in nested.items() if name not in COMPONENTS}
+        for section in COMPONENTS:
+            flat.update(nested[section])
+        return flat
 
 
-FIELDS = {f.name for f in dataclasses.fields(FitConfig)}
+def _check_choices(config: Any) -> None:
+    """Every `Literal[...]` field of `config` holds one of its choices (the one check for all)."""
+    for name, choices in _choices(type(config)).items():
+        value = getattr(config, name)
+        if value not in choices:
+            raise ValueError(f"fit config: {name} must be one of {choices}, got {value!r}")
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+# Section name -> component class, in FitConfig's order.
+COMPONENTS: dict[str, type] = {
+    f.name: typing.get_type_hints(FitConfig)[f.name] for f in dataclasses.fields(FitConfig)
+    if dataclasses.is_dataclass(typing.get_type_hints(FitConfig)[f.name])
+}
+
+
+def _leaves() -> dict[str, tuple[str | None, dataclasses.Field]]:
+    leaves: dict[str, tuple[str | None, dataclasses.Field]] = {}
+    owners = [(None, FitConfig), *COMPONENTS.items()]
+    for section, cls in owners:
+        for spec in dataclasses.fields(cls):
+            if section is None and spec.name in COMPONENTS:
+                continue
+            assert spec.name not in leaves, f"{spec.name} is a field of two fit config components"
+            leaves[spec.name] = (section, spec)
+    return leaves
+
+
+# Leaf field name -> (its section, None for FitConfig's own fields; its dataclass field).
+LEAVES = _leaves()
+FIELDS = frozenset(LEAVES)
+
+# Fields a resumed run may change: they affect bookkeeping, not the numbers.
+RESUMABLE_CHANGES = frozenset({
+    "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
+    "max_consecutive_skips", "attention", "save_initial", "parallel",
+})
+assert RESUMABLE_CHANGES <= FIELDS
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One leaf field as the command line shows it."""
+
+    name: str
+    type: Any
+    """The resolved annotation (`int`, `float | None`, `Literal[...]`, `list[str]`, ...)."""
+    default: Any
+    """The default value (dataclasses.MISSING when the field is required)."""
+    doc: str
+    """The field's docstring on one line ('' when the source cannot be read)."""
+    none_word: str | None
+    """The word that stands for None (flag or TOML), if any."""
+
+
+def describe_fields() -> Iterator[FieldInfo]:
+    """Every leaf field in FitConfig's order, with its type, default and docstring."""
+    for name, (section, spec) in LEAVES.items():
+        cls = COMPONENTS[section] if section else FitConfig
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        yield FieldInfo(name=name, type=typing.get_type_hints(cls)[name], default=default,
+                        doc=field_docs(cls).get(name, ""), none_word=spec.metadata.get(NONE_WORD))
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring on one line}: the string literal under each annotated field.
+
+    Read from the class's source with `ast`, so it works wherever the .py file is installed
+    (editable or not); without a source (a bytecode-only install) the docs are empty.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 def load_toml(path: str | Path) -> dict:
-    """Read a fit config file: top-level keys are FitConfig fields (dashes allowed)."""
+    """Read a fit config file: flat keys, at top level or in their component's `[section]`
+    table (dashes allowed in names); returns the flat keys."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -158,7 +335,18 @@ def load_toml(path: str | Path) -> dict:
         raise ValueError(f"{path}: not valid TOML: {error}") from None
     except FileNotFoundError:
         raise ValueError(f"config file {path} does not exist") from None
-    values = {key.replace("-", "_"): value for key, value in data.items()}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        key = key.replace("-", "_")
+        if key in COMPONENTS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                inner = inner.replace("-", "_")
+                if LEAVES.get(inner, (None,))[0] != key:
+                    raise ValueError(f"{path}: [{key}] has no field {inner!r}; its fields: "
+                                     f"{sorted(f.name for f in dataclasses.fields(COMPONENTS[key]))}")
+                values[inner] = inner_value
+        else:
+            values[key] = value
     unknown = sorted(set(values) - FIELDS)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(FIELDS)}")
@@ -169,25 +357,22 @@ def resolve(config_file: str | Path | None, overrides: dict) -> FitConfig:
     """The config file's values, then the overrides (None values are 'not given')."""
     values = load_toml(config_file) if config_file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("decay_gamma") == "auto":
-        values["decay_gamma"] = None
     missing = [name for name in ("cache", "out") if not values.get(name)]
     if missing:
         raise ValueError(f"fit config: {', '.join(missing)} not given (flag or config file)")
-    return FitConfig(**values)
+    return FitConfig.from_dict(values)
 
 
 def check_resume(saved_path: Path, config: FitConfig) -> None:
     """Refuse to resume a run whose saved config differs in a field that changes the numbers."""
     saved = json.loads(saved_path.read_text())
     current = config.to_dict()
-    for name in sorted(FIELDS - RESUMABLE_CHANGES):
-        a, b = saved.get(name), current[name]
+    defaults = {info.name: info.default for info in describe_fields()}
+    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"}):
+        a, b = saved.get(name, defaults[name]), current[name]
         if name == "cache":
             a = [str(Path(p).resolve()) for p in a or []]
             b = [str(Path(p).resolve()) for p in b]
-        elif name == "out":
-            continue
         if a != b:
             raise ValueError(
                 f"{saved_path}: the run was started with {name} = {a!r}, this call gives {b!r}. "
@@ -195,4 +380,7 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
             )
 
 
-__all__ = ["FitConfig", "LOSSES", "RESUMABLE_CHANGES", "check_resume", "load_toml", "resolve"]
+__all__ = ["COMPONENTS", "CheckpointConfig", "DataConfig", "EvalConfig", "FieldInfo", "FitConfig",
+           "GatingConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
+           "RESUMABLE_CHANGES", "RuntimeConfig", "check_resume", "describe_fields", "field_docs",
+           "load_toml", "resolve"]

@@ -1,4 +1,5 @@
-"""`dflash-train fit`: the training loop, as one function that reads top to bottom.
+"""`dflash-train fit`: `_setup` builds a `Run` (data, plan, drafter, optimizer, gate, writer,
+logger), and `_train`, the loop, reads top to bottom.
 
 Each step: run the drafter over all blocks of this rank's batch at once, take the sparse
 KL (or CE) of the labelled block positions through the frozen LM head without forming
@@ -33,7 +34,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,11 +42,12 @@ import torch.distributed as dist
 
 from dflash.kernels import sparse_kl_loss
 from dflash.shards import open_cache
+from dflash.shards.files import write_json_atomic
 from dflash.train import parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
-from dflash.train.config import FitConfig, check_resume
+from dflash.train.config import FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
-from dflash.train.gating import GatingConfig, SpikeGate
+from dflash.train.gating import SpikeGate
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
 
@@ -64,6 +66,50 @@ class FitResult:
     """Steps the run is planned for."""
 
 
+@dataclass(eq=False)
+class Run:
+    """Everything the loop works with, built once by `_setup`; `step`, `last_checkpoint` and
+    `step_times` advance as it runs."""
+
+    config: FitConfig
+    """The resolved config (mask_token_id filled in from the target)."""
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    run_dir: Path
+    corpus: Corpus
+    plan: DataPlan
+    """The training plan (the held-out sequences excluded)."""
+    eval_plan: DataPlan | None
+    """The plan over the held-out sequences; None when they are too few, or eval is off."""
+    drafter_config: DrafterConfig
+    gamma: float
+    """Position-weight decay of the loss."""
+    total_steps: int
+    planned_epochs: int
+    """Epochs the run touches (< epochs when max_steps cuts)."""
+    model: DFlashDrafter
+    """The drafter itself (fp32 master weights; sharded in place under FSDP2)."""
+    wrapped: torch.nn.Module
+    """The drafter as called: under DDP its wrapper, else the drafter."""
+    parallel_kind: str
+    head: TargetHead
+    optimizer: torch.optim.Optimizer
+    gate: SpikeGate
+    writer: CheckpointWriter | None
+    """The background checkpoint writer (rank 0 only)."""
+    logger: RunLogger
+    step: int
+    """Global steps completed."""
+    last_checkpoint: str | None
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
 def lr_at(step: int, total_steps: int, warmup_ratio: float, peak: float) -> float:
     """Linear warm-up over round(warmup_ratio * total) steps, then cosine decay to 0."""
     warmup = round(warmup_ratio * total_steps)
@@ -74,7 +120,7 @@ def lr_at(step: int, total_steps: int, warmup_ratio: float, peak: float) -> floa
 
 
 def fit(config: FitConfig) -> FitResult:
-    rank, world_size, device = _init_distributed(config.device)
+    rank, world_size, device = _init_distributed(config.runtime.device)
     try:
         return _fit(config, rank, world_size, device)
     finally:
@@ -87,13 +133,90 @@ def fit(config: FitConfig) -> FitResult:
 
 
 def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) -> FitResult:
+    run = _setup(config, rank, world_size, device)
+    try:
+        _train(run)
+    finally:
+        run.logger.close()
+    if world_size > 1:
+        # Non-zero ranks learn where the last checkpoint is from the run folder.
+        _barrier(world_size)
+        last = latest_checkpoint(run.run_dir)
+        run.last_checkpoint = str(last) if last else None
+    return FitResult(step=run.step, checkpoint=run.last_checkpoint, total_steps=run.total_steps)
+
+
+def _train(run: Run) -> None:
+    """The loop, from `run.step` to `run.total_steps` (or a SpikeStop)."""
+    config, plan = run.config, run.plan
+    pending = None  # the next step's (batch, layout), read while the device computes
+    if config.checkpoint.save_initial and run.step == 0:
+        _save_checkpoint(run)
+    while run.step < run.total_steps:
+        t_start = time.perf_counter()
+        step = run.step
+        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+        batch, layout = pending if pending is not None else _read_step(run, step)
+        data_time_s = time.perf_counter() - t_start
+        start, stop = plan.step_blocks(step_in_epoch)
+        tokens = (stop - start) * config.model.block_size  # global block tokens of this step
+
+        lr = lr_at(step, run.total_steps, config.optimizer.warmup_ratio, config.optimizer.lr)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        # Global label weight first, so every rank scales its summed loss the same way.
+        weight_sum = _all_reduce(batch.weights.sum().double(), run.world_size)
+        loss_sum, argmax = forward_loss(run, batch, layout)
+        (loss_sum * (run.world_size / weight_sum).float()).backward()
+        # Read the next step's rows now: CUDA kernels run asynchronously, so the read
+        # overlaps this step's compute until the first value is needed below (on CPU it is
+        # the same read, only earlier). Still no thread and no queue: one batch ahead.
+        t_read = time.perf_counter()
+        pending = _read_step(run, step + 1) if step + 1 < run.total_steps else None
+        data_time_s += time.perf_counter() - t_read
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optimizer.grad_clip))
+        loss, accuracy = _step_figures(run, batch, loss_sum, argmax, weight_sum)
+
+        reason = run.gate.reason_to_skip(loss, grad_norm)
+        if reason is None:
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.gate.record(loss, grad_norm, skipped=reason is not None)
+        run.step += 1
+        stopping = reason is not None and run.gate.should_stop
+        if not stopping and (run.step % config.checkpoint.checkpoint_every == 0 or run.step == run.total_steps):
+            _save_checkpoint(run)  # the host snapshot is part of this step's time; the write is not
+
+        step_time_s = time.perf_counter() - t_start
+        _log_step(run, {
+            "step": run.step, "epoch": run.step / plan.steps_per_epoch, "epoch_index": epoch + 1,
+            "epoch_fraction": (step_in_epoch + 1) / plan.steps_per_epoch, "loss": loss,
+            "accuracy": accuracy, "grad_norm": grad_norm, "lr": lr, "skipped": reason is not None,
+            "tokens": tokens, "tokens_per_s": tokens / step_time_s, "data_time_s": data_time_s,
+            "step_time_s": step_time_s,
+        }, always_print=reason is not None)
+        if reason is not None:
+            _handle_spike(run, epoch, step_in_epoch, loss, grad_norm, reason, stopping)
+        every = config.eval.eval_every
+        if every and (run.step % every == 0 or run.step == run.total_steps) and run.eval_plan is not None:
+            _evaluate(run)
+        _drain_checkpoints(run)
+    _drain_checkpoints(run, wait=True)
+    run.logger.event("done", step=run.step)
+
+
+# -- setup ---------------------------------------------------------------------------------
+
+
+def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) -> Run:
+    """Open the data and plan the run, build (or resume) the drafter, optimizer and gate, and
+    start the logs."""
     run_dir = Path(config.out)
     is_main = rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     _barrier(world_size)
 
-    # -- data ------------------------------------------------------------------------
     # Row checks on: every row's crc32 (zlib, about 7 GB/s) is verified as it is read, so a
     # flipped bit in the cache is an error naming the shard, never trained on. It costs a small
     # fraction of the data time, itself far under 1% of a step (bench/train_step.py).
@@ -103,47 +226,91 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main)
-    spec = corpus.spec
-    drafter_config = DrafterConfig.from_target(
-        caches[0].target_dir, num_hidden_layers=config.num_layers, block_size=config.block_size,
-        mask_token_id=config.mask_token_id)
-    if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
-        raise ValueError(
-            f"{caches[0].target_dir}/target.json (layers {drafter_config.target_layer_ids}, hidden "
-            f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
-            f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
-        )
-    config = dataclasses.replace(config, mask_token_id=drafter_config.mask_token_id)
-    gamma = config.decay_gamma or decay_gamma(config.block_size)
-    held_out = held_out_mask(len(corpus), config.eval_fraction, config.seed)
-    plan = DataPlan(num_eligible=corpus.num_eligible, held_out=held_out, block_size=config.block_size,
-                    anchors_per_seq=config.anchors_per_seq, tokens_per_step=config.tokens_per_step,
-                    seed=config.seed, world_size=world_size)
-    total_steps = config.epochs * plan.steps_per_epoch
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
-    planned_epochs = math.ceil(total_steps / plan.steps_per_epoch)  # < epochs when max_steps cuts
-    eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval_every else None
+    drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, mask_token_id=drafter_config.mask_token_id))
+    held_out = held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed)
+    plan = _plan(corpus, held_out, config, world_size)
+    total_steps = config.data.epochs * plan.steps_per_epoch
+    if config.data.max_steps is not None:
+        total_steps = min(total_steps, config.data.max_steps)
+    eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval.eval_every else None
 
     saved_config = run_dir / "config.json"
     if saved_config.exists():
         check_resume(saved_config, config)
     if is_main:
-        _write_json(saved_config, config.to_dict())
-        _write_json(run_dir / "drafter_config.json", drafter_config.to_dict())
+        write_json_atomic(saved_config, config.to_dict())
+        write_json_atomic(run_dir / "drafter_config.json", drafter_config.to_dict())
 
-    # -- model, optimizer, gate, resume ----------------------------------------------------
-    compute_dtype = _compute_dtype(config.dtype, device)
-    torch.manual_seed(config.seed)
-    model = DFlashDrafter(drafter_config, attention=config.attention).to(device)  # fp32 master weights
+    compute_dtype = _compute_dtype(config.runtime.dtype, device)
+    torch.manual_seed(config.data.seed)
+    model = DFlashDrafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
-    gate = SpikeGate(GatingConfig(factor=config.spike_factor, warmup_steps=config.spike_warmup_steps,
-                                  max_consecutive_skips=config.max_consecutive_skips))
-    step = 0
+    gate = SpikeGate(config.gating)
+    parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
     resume_from = latest_checkpoint(run_dir)
-    optimizer_state = None
-    parallel_kind = parallel.choose(config.parallel, num_parameters, world_size, device)
+    step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
+
+    gamma = config.loss.decay_gamma or decay_gamma(config.model.block_size)
+    writer = CheckpointWriter(run_dir, config.checkpoint.keep_checkpoints) if is_main else None
+    # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
+    logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
+                       wandb_config={**config.to_dict(), "drafter": drafter_config.to_dict()}
+                       if config.logging.wandb else None, wandb_project=config.logging.wandb_project)
+    logger.event("resume" if resume_from else "start", step=step,
+                 checkpoint=str(resume_from) if resume_from else None,
+                 total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
+                 num_sequences=len(corpus), num_train_sequences=int(plan.train_sequences.shape[0]),
+                 num_held_out=int(held_out.sum()), parameters=num_parameters, parallel=parallel_kind,
+                 held_out_blocks=eval_plan.blocks_per_epoch if eval_plan else 0,
+                 world_size=world_size, device=str(device), dtype=str(compute_dtype), gamma=gamma,
+                 mask_token_id=drafter_config.mask_token_id)
+    return Run(config=config, rank=rank, world_size=world_size, device=device, compute_dtype=compute_dtype,
+               run_dir=run_dir, corpus=corpus, plan=plan, eval_plan=eval_plan, drafter_config=drafter_config,
+               gamma=gamma, total_steps=total_steps, planned_epochs=math.ceil(total_steps / plan.steps_per_epoch),
+               model=model, wrapped=wrapped, parallel_kind=parallel_kind, head=head, optimizer=optimizer,
+               gate=gate, writer=writer, logger=logger, step=step,
+               last_checkpoint=str(resume_from) if resume_from else None)
+
+
+def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> DrafterConfig:
+    """The drafter sized for the target, checked against the cache's spec."""
+    spec = corpus.spec
+    drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
+                                               block_size=model.block_size, mask_token_id=model.mask_token_id)
+    if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
+        raise ValueError(
+            f"{target_dir}/target.json (layers {drafter_config.target_layer_ids}, hidden "
+            f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
+            f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
+        )
+    return drafter_config
+
+
+def _plan(corpus: Corpus, excluded, config: FitConfig, world_size: int) -> DataPlan:
+    """The plan over the sequences not in `excluded` ([num sequences] bool)."""
+    return DataPlan(num_eligible=corpus.num_eligible, held_out=excluded, block_size=config.model.block_size,
+                    anchors_per_seq=config.data.anchors_per_seq, tokens_per_step=config.data.tokens_per_step,
+                    seed=config.data.seed, world_size=world_size)
+
+
+def _held_out_plan(corpus: Corpus, held_out, config: FitConfig, world_size: int) -> DataPlan | None:
+    """The plan over the held-out sequences (None when they hold less than a block per rank)."""
+    if not held_out.any():
+        return None
+    try:
+        return _plan(corpus, ~held_out, config, world_size)
+    except ValueError:
+        return None
+
+
+def _resume(resume_from: Path | None, model: DFlashDrafter, gate: SpikeGate, config: FitConfig,
+            parallel_kind: str, world_size: int, device: torch.device):
+    """(step, wrapped model, optimizer): wrap the drafter for `parallel_kind` and build AdamW,
+    loading the checkpoint's weights, optimizer state, gate and step when resuming."""
+    step, optimizer_state = 0, None
     if resume_from is not None:
         # Under FSDP2 the full checkpoint stays on the host: each tensor goes to the device
         # only to be sharded (a large drafter's full optimizer state need not fit beside it).
@@ -154,162 +321,43 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
         gate.load_state_dict(state["gate"])
         step = int(state["step"])
     wrapped = parallel.wrap(model, parallel_kind, device, world_size)  # fsdp: shards model in place
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(config.adam_beta1, config.adam_beta2))
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
+                                  betas=(opt.adam_beta1, opt.adam_beta2))
     if optimizer_state is not None:
         parallel.load_optimizer(model, optimizer, optimizer_state, parallel_kind)
-        del optimizer_state
-
-    writer = CheckpointWriter(run_dir, config.keep_checkpoints) if is_main else None
-    # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
-    logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
-                       wandb_config={**config.to_dict(), "drafter": drafter_config.to_dict()}
-                       if config.wandb else None, wandb_project=config.wandb_project)
-    logger.event("resume" if resume_from else "start", step=step,
-                 checkpoint=str(resume_from) if resume_from else None,
-                 total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
-                 num_sequences=len(corpus), num_train_sequences=int(plan.train_sequences.shape[0]),
-                 num_held_out=int(held_out.sum()), parameters=num_parameters, parallel=parallel_kind,
-                 held_out_blocks=eval_plan.blocks_per_epoch if eval_plan else 0,
-                 world_size=world_size, device=str(device), dtype=str(compute_dtype), gamma=gamma,
-                 mask_token_id=drafter_config.mask_token_id)
-    last_checkpoint = str(resume_from) if resume_from else None
-    step_times: list[float] = []
-    B = config.block_size
-
-    def save_checkpoint() -> None:
-        if writer is None and parallel_kind != "fsdp":
-            return
-        model_state, optimizer_state = parallel.full_state(model, optimizer, parallel_kind)  # fsdp: collective
-        if writer is None:
-            return
-        epoch_index, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        writer.save(step, model_state, optimizer_state,
-                    {"gate": gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
-                     "config": config.to_dict()})
-
-    def load(at_step: int):
-        """This rank's batch and layout of global step `at_step`, on the device."""
-        epoch_index, step_in_epoch = divmod(at_step, plan.steps_per_epoch)
-        batch = read_batch(corpus, plan.segments(epoch_index, step_in_epoch, rank), stream=epoch_index,
-                           plan_anchors=config.anchors_per_seq, seed=config.seed, block_size=B,
-                           gamma=gamma, mask_token_id=drafter_config.mask_token_id,
-                           pin=device.type == "cuda").to(device)
-        return batch, BlockLayout.build(batch.segments, B, device=device)
-
-    # -- the loop ----------------------------------------------------------------------
-    pending = None  # the next step's (batch, layout), read while the device computes
-    if config.save_initial and step == 0:
-        save_checkpoint()
-    try:
-        while step < total_steps:
-            t_start = time.perf_counter()
-            epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-            if pending is None:
-                pending = load(step)
-            batch, layout = pending
-            data_time_s = time.perf_counter() - t_start
-            start, stop = plan.step_blocks(step_in_epoch)
-            tokens = (stop - start) * B  # global block tokens of this step
-
-            lr = lr_at(step, total_steps, config.warmup_ratio, config.lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # Global label weight first, so every rank scales its summed loss the same way.
-            weight_sum = _all_reduce(batch.weights.sum().double(), world_size)
-            with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-                hidden = wrapped(head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
-            rows = hidden[batch.label_rows].to(head.lm_head.dtype)  # [N, H]
-            loss_sum, argmax = _loss(rows, head.lm_head, batch, config)
-            (loss_sum * (world_size / weight_sum).float()).backward()
-            # Read the next step's rows now: CUDA kernels run asynchronously, so the read
-            # overlaps this step's compute until the first value is needed below (on CPU it is
-            # the same read, only earlier). Still no thread and no queue: one batch ahead.
-            t_read = time.perf_counter()
-            pending = load(step + 1) if step + 1 < total_steps else None
-            data_time_s += time.perf_counter() - t_read
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
-
-            hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
-            correct = torch.bincount(batch.label_positions, weights=hit.double(), minlength=B)
-            counted = torch.bincount(batch.label_positions, minlength=B).double()
-            figures = _all_reduce(torch.cat([loss_sum.detach().double()[None], correct, counted]), world_size)
-            loss = float(figures[0] / weight_sum)
-            accuracy = [float(c / n) if n > 0 else None
-                        for c, n in zip(figures[2:B + 1].tolist(), figures[B + 2:].tolist())]
-
-            reason = gate.reason_to_skip(loss, grad_norm)
-            if reason is None:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            gate.record(loss, grad_norm, skipped=reason is not None)
-            step += 1
-            stopping = reason is not None and gate.should_stop
-            if not stopping and (step % config.checkpoint_every == 0 or step == total_steps):
-                save_checkpoint()  # the host snapshot is part of this step's time; the write is not
-
-            step_time_s = time.perf_counter() - t_start
-            step_times.append(step_time_s)
-            record = {
-                "step": step, "epoch": step / plan.steps_per_epoch, "epoch_index": epoch + 1,
-                "epoch_fraction": (step_in_epoch + 1) / plan.steps_per_epoch, "loss": loss,
-                "accuracy": accuracy, "grad_norm": grad_norm, "lr": lr, "skipped": reason is not None,
-                "tokens": tokens, "tokens_per_s": tokens / step_time_s, "data_time_s": data_time_s,
-                "step_time_s": step_time_s,
-            }
-            logger.step(record)
-            if is_main and (step % config.log_every == 0 or step == total_steps or reason):
-                recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
-                print(console_line(record, epochs=planned_epochs, total_steps=total_steps,
-                                   eta_s=recent * (total_steps - step)), flush=True)
-
-            if reason is not None:
-                if is_main:
-                    _log_spike(run_dir, corpus, plan, epoch, step_in_epoch, step, loss, grad_norm, gate, reason)
-                if stopping:
-                    if writer is not None:
-                        writer.wait()
-                    where = latest_checkpoint(run_dir)
-                    raise SpikeStop(
-                        f"stopped at step {step}: {gate.consecutive_skips} steps in a row were skipped as "
-                        f"spikes (last: {reason}). The batches and their sequences are in "
-                        f"{run_dir / 'spikes.jsonl'} (open one with `dflash-shards show <cache> <sequence>`); the last "
-                        f"good checkpoint is {where or 'none (no checkpoint was written)'}. Fix or drop "
-                        f"those sequences, or raise --spike-factor / --max-consecutive-skips, then rerun "
-                        f"to resume from that checkpoint."
-                    )
-
-            if config.eval_every and (step % config.eval_every == 0 or step == total_steps) \
-                    and eval_plan is not None:
-                t_eval = time.perf_counter()
-                result = evaluate_held_out(wrapped, head, corpus, eval_plan, config, drafter_config, gamma,
-                                           rank, device, compute_dtype)
-                logger.event("eval", step=step, duration_s=time.perf_counter() - t_eval, **result)
-                if is_main:
-                    print(f"held-out step {step}: loss {result['loss']:.3g} tau {result['tau']:.2f} "
-                          f"({result['blocks']} blocks)", flush=True)
-            if writer is not None:
-                writer.check()
-                for event in writer.pop_finished():
-                    last_checkpoint = event.path
-                    logger.event("checkpoint", **dataclasses.asdict(event))
-        if writer is not None:
-            writer.wait()
-            for event in writer.pop_finished():
-                last_checkpoint = event.path
-                logger.event("checkpoint", **dataclasses.asdict(event))
-        logger.event("done", step=step)
-    finally:
-        logger.close()
-    if world_size > 1:
-        # Non-zero ranks learn where the last checkpoint is from the run folder.
-        _barrier(world_size)
-        last = latest_checkpoint(run_dir)
-        last_checkpoint = str(last) if last else None
-    return FitResult(step=step, checkpoint=last_checkpoint, total_steps=total_steps)
+    return step, wrapped, optimizer
 
 
-def _loss(rows: torch.Tensor, head_weight: torch.Tensor, batch, config: FitConfig):
+# -- one step ------------------------------------------------------------------------------
+
+
+def _read(run: Run, plan: DataPlan, stream: int, step_in_stream: int, pin: bool = False):
+    """This rank's (batch, layout) of `plan`'s step `step_in_stream` of `stream`, on the device."""
+    B = run.config.model.block_size
+    batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
+                       plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed, block_size=B,
+                       gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id, pin=pin).to(run.device)
+    return batch, BlockLayout.build(batch.segments, B, device=run.device)
+
+
+def _read_step(run: Run, step: int):
+    """This rank's (batch, layout) of global training step `step`, on the device."""
+    epoch_index, step_in_epoch = divmod(step, run.plan.steps_per_epoch)
+    return _read(run, run.plan, epoch_index, step_in_epoch, pin=run.device.type == "cuda")
+
+
+def forward_loss(run: Run, batch, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed weighted loss, student argmax [N]): the drafter over all blocks of `batch` at
+    once, then the loss of its labelled rows through the frozen LM head (training and eval)."""
+    dtype = run.compute_dtype
+    with torch.autocast(run.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        hidden = run.wrapped(run.head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
+    rows = hidden[batch.label_rows].to(run.head.lm_head.dtype)  # [N, H]
+    return _loss(rows, run.head.lm_head, batch, run.config.loss)
+
+
+def _loss(rows: torch.Tensor, head_weight: torch.Tensor, batch, config: LossConfig):
     """(summed weighted loss, student argmax [N]) for the labelled rows, logits never formed."""
     top1 = _top1(batch)[:, None]  # [N, 1]
     if config.loss == "ce":
@@ -322,71 +370,55 @@ def _loss(rows: torch.Tensor, head_weight: torch.Tensor, batch, config: FitConfi
                           ce_weight=ce_weight, return_argmax=True)
 
 
-def _held_out_plan(corpus: Corpus, held_out, config: FitConfig, world_size: int) -> DataPlan | None:
-    """The plan over the held-out sequences (None when they hold less than a block per rank)."""
-    if not held_out.any():
-        return None
-    try:
-        return DataPlan(num_eligible=corpus.num_eligible, held_out=~held_out, block_size=config.block_size,
-                        anchors_per_seq=config.anchors_per_seq, tokens_per_step=config.tokens_per_step,
-                        seed=config.seed, world_size=world_size)
-    except ValueError:
-        return None
-
-
-@torch.no_grad()
-def evaluate_held_out(model, head, corpus: Corpus, plan: DataPlan, config: FitConfig,
-                      drafter_config: DrafterConfig, gamma: float, rank: int, device: torch.device,
-                      compute_dtype: torch.dtype) -> dict:
-    """Held-out loss, per-position accuracy and teacher-forced acceptance length (collective).
-
-    Scores the first `eval_tokens` block tokens of a fixed stream over the held-out
-    sequences (`plan` over them; anchors keyed by EVAL_STREAM, the same every time). A
-    block's acceptance is the number of leading positions whose greedy draft equals the
-    target's top-1, stopping at the first unlabelled position; tau = 1 + its mean (the bonus
-    token counts 1). When the cache holds the target's own greedy continuations this is the
-    online greedy acceptance for those anchors.
-    """
-    B = config.block_size
-    world_size = plan.world_size
-    steps = min(plan.steps_per_epoch, math.ceil(config.eval_tokens / config.tokens_per_step))
-    was_training = model.training
-    model.eval()
-    # [loss sum, weight sum, blocks, accepted, correct per position (B), rows per position (B)]
-    totals = torch.zeros(4 + 2 * B, dtype=torch.float64, device=device)
-    for step in range(steps):
-        batch = read_batch(corpus, plan.segments(EVAL_STREAM, step, rank), stream=EVAL_STREAM,
-                           plan_anchors=config.anchors_per_seq, seed=config.seed, block_size=B,
-                           gamma=gamma, mask_token_id=drafter_config.mask_token_id).to(device)
-        layout = BlockLayout.build(batch.segments, B, device=device)
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-            hidden = model(head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
-        rows = hidden[batch.label_rows].to(head.lm_head.dtype)  # [N, H]
-        loss_sum, argmax = _loss(rows, head.lm_head, batch, config)
-        hit = argmax == _top1(batch)  # [N] bool
-        match = torch.zeros(layout.num_queries, dtype=torch.bool, device=device)  # [Q]
-        match[batch.label_rows] = hit
-        accepted = match.view(-1, B)[:, 1:].long().cumprod(dim=1).sum(dim=1)  # [n_blocks]
-        totals += torch.cat([
-            torch.stack([loss_sum.double(), batch.weights.sum().double(),
-                         torch.tensor(float(accepted.numel()), dtype=torch.float64, device=device),
-                         accepted.double().sum()]),
-            torch.bincount(batch.label_positions, weights=hit.double(), minlength=B),
-            torch.bincount(batch.label_positions, minlength=B).double()])
-    model.train(was_training)
-    totals = _all_reduce(totals, world_size).tolist()
-    correct, counted = totals[4:4 + B], totals[4 + B:]
-    return {
-        "loss": totals[0] / max(totals[1], 1e-30),
-        "tau": 1.0 + totals[3] / max(totals[2], 1.0),
-        "accuracy": [c / n if n else None for c, n in zip(correct[1:], counted[1:])],
-        "blocks": int(totals[2]),
-    }
-
-
 def _top1(batch) -> torch.Tensor:
     """[N] the target's greedy token at each label row (its most likely cached candidate)."""
     return batch.topk_ids.gather(1, batch.topk_logprobs.argmax(1, keepdim=True))[:, 0]
+
+
+def _step_figures(run: Run, batch, loss_sum: torch.Tensor, argmax: torch.Tensor,
+                  weight_sum: torch.Tensor) -> tuple[float, list[float | None]]:
+    """(global weighted mean loss, accuracy per block position 1..B-1) of a step (collective)."""
+    B = run.config.model.block_size
+    hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
+    correct = torch.bincount(batch.label_positions, weights=hit.double(), minlength=B)
+    counted = torch.bincount(batch.label_positions, minlength=B).double()
+    figures = _all_reduce(torch.cat([loss_sum.detach().double()[None], correct, counted]), run.world_size)
+    loss = float(figures[0] / weight_sum)
+    accuracy = [float(c / n) if n > 0 else None
+                for c, n in zip(figures[2:B + 1].tolist(), figures[B + 2:].tolist())]
+    return loss, accuracy
+
+
+def _log_step(run: Run, record: dict, always_print: bool) -> None:
+    """metrics.jsonl (every step) and, every log_every steps, the console line."""
+    run.step_times.append(record["step_time_s"])
+    run.logger.step(record)
+    if run.is_main and (run.step % run.config.logging.log_every == 0 or run.step == run.total_steps
+                        or always_print):
+        recent = sorted(run.step_times[-50:])[len(run.step_times[-50:]) // 2]
+        print(console_line(record, epochs=run.planned_epochs, total_steps=run.total_steps,
+                           eta_s=recent * (run.total_steps - run.step)), flush=True)
+
+
+def _handle_spike(run: Run, epoch: int, step_in_epoch: int, loss: float, grad_norm: float, reason: str,
+                  stopping: bool) -> None:
+    """Log a skipped step to spikes.jsonl; raise SpikeStop when the gate says stop."""
+    if run.is_main:
+        _log_spike(run.run_dir, run.corpus, run.plan, epoch, step_in_epoch, run.step, loss, grad_norm,
+                   run.gate, reason)
+    if not stopping:
+        return
+    if run.writer is not None:
+        run.writer.wait()
+    where = latest_checkpoint(run.run_dir)
+    raise SpikeStop(
+        f"stopped at step {run.step}: {run.gate.consecutive_skips} steps in a row were skipped as "
+        f"spikes (last: {reason}). The batches and their sequences are in "
+        f"{run.run_dir / 'spikes.jsonl'} (open one with `dflash-shards show <cache> <sequence>`); the last "
+        f"good checkpoint is {where or 'none (no checkpoint was written)'}. Fix or drop "
+        f"those sequences, or raise --spike-factor / --max-consecutive-skips, then rerun "
+        f"to resume from that checkpoint."
+    )
 
 
 def _log_spike(run_dir: Path, corpus: Corpus, plan: DataPlan, epoch: int, step_in_epoch: int,
@@ -404,6 +436,90 @@ def _log_spike(run_dir: Path, corpus: Corpus, plan: DataPlan, epoch: int, step_i
 
 def _json_float(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
+
+
+# -- checkpoints and evaluation ------------------------------------------------------------
+
+
+def _save_checkpoint(run: Run) -> None:
+    """Hand a host snapshot of the state after `run.step` steps to the background writer."""
+    if run.writer is None and run.parallel_kind != "fsdp":
+        return
+    model_state, optimizer_state = parallel.full_state(run.model, run.optimizer, run.parallel_kind)  # fsdp: collective
+    if run.writer is None:
+        return
+    epoch_index, step_in_epoch = divmod(run.step, run.plan.steps_per_epoch)
+    run.writer.save(run.step, model_state, optimizer_state,
+                    {"gate": run.gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
+                     "config": run.config.to_dict()})
+
+
+def _drain_checkpoints(run: Run, wait: bool = False) -> None:
+    """Log the checkpoints the writer has finished (after waiting for all, when `wait`); a
+    failed write raises here."""
+    if run.writer is None:
+        return
+    if wait:
+        run.writer.wait()
+    else:
+        run.writer.check()
+    for event in run.writer.pop_finished():
+        run.last_checkpoint = event.path
+        run.logger.event("checkpoint", **dataclasses.asdict(event))
+
+
+def _evaluate(run: Run) -> None:
+    """Score the held-out stream and log it (collective)."""
+    t_eval = time.perf_counter()
+    result = evaluate_held_out(run)
+    run.logger.event("eval", step=run.step, duration_s=time.perf_counter() - t_eval, **result)
+    if run.is_main:
+        print(f"held-out step {run.step}: loss {result['loss']:.3g} tau {result['tau']:.2f} "
+              f"({result['blocks']} blocks)", flush=True)
+
+
+@torch.no_grad()
+def evaluate_held_out(run: Run) -> dict:
+    """Held-out loss, per-position accuracy and teacher-forced acceptance length (collective).
+
+    Scores the first `eval_tokens` block tokens of a fixed stream over the held-out
+    sequences (`run.eval_plan`; anchors keyed by EVAL_STREAM, the same every time). A
+    block's acceptance is the number of leading positions whose greedy draft equals the
+    target's top-1, stopping at the first unlabelled position; tau = 1 + its mean (the bonus
+    token counts 1). When the cache holds the target's own greedy continuations this is the
+    online greedy acceptance for those anchors.
+    """
+    B, plan, device = run.config.model.block_size, run.eval_plan, run.device
+    steps = min(plan.steps_per_epoch, math.ceil(run.config.eval.eval_tokens / run.config.data.tokens_per_step))
+    was_training = run.wrapped.training
+    run.wrapped.eval()
+    # [loss sum, weight sum, blocks, accepted, correct per position (B), rows per position (B)]
+    totals = torch.zeros(4 + 2 * B, dtype=torch.float64, device=device)
+    for step in range(steps):
+        batch, layout = _read(run, plan, EVAL_STREAM, step)
+        loss_sum, argmax = forward_loss(run, batch, layout)
+        hit = argmax == _top1(batch)  # [N] bool
+        match = torch.zeros(layout.num_queries, dtype=torch.bool, device=device)  # [Q]
+        match[batch.label_rows] = hit
+        accepted = match.view(-1, B)[:, 1:].long().cumprod(dim=1).sum(dim=1)  # [n_blocks]
+        totals += torch.cat([
+            torch.stack([loss_sum.double(), batch.weights.sum().double(),
+                         torch.tensor(float(accepted.numel()), dtype=torch.float64, device=device),
+                         accepted.double().sum()]),
+            torch.bincount(batch.label_positions, weights=hit.double(), minlength=B),
+            torch.bincount(batch.label_positions, minlength=B).double()])
+    run.wrapped.train(was_training)
+    totals = _all_reduce(totals, plan.world_size).tolist()
+    correct, counted = totals[4:4 + B], totals[4 + B:]
+    return {
+        "loss": totals[0] / max(totals[1], 1e-30),
+        "tau": 1.0 + totals[3] / max(totals[2], 1.0),
+        "accuracy": [c / n if n else None for c, n in zip(correct[1:], counted[1:])],
+        "blocks": int(totals[2]),
+    }
+
+
+# -- distributed ---------------------------------------------------------------------------
 
 
 def _init_distributed(device_name: str) -> tuple[int, int, torch.device]:
@@ -442,9 +558,3 @@ def _all_reduce(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
 def _barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)

@@ -1,9 +1,9 @@
 """Spike gating: skip an optimizer step whose loss or gradient norm is far above normal.
 
 A step is skipped when its loss or its pre-clip gradient norm is not finite, or (once
-`warmup_steps` steps have been accepted) exceeds `factor` times its running mean. The
-running means are bias-corrected exponential moving averages that move only on accepted
-steps, so a burst of bad batches cannot raise the bar it is measured against. The caller
+`spike_warmup_steps` steps have been accepted) exceeds `spike_factor` times its running
+mean. The running means are bias-corrected exponential moving averages that move only on
+accepted steps, so a burst of bad batches cannot raise the bar it is measured against. The caller
 feeds globally reduced figures (the same on every rank), so every rank takes the same
 decision without another collective. After `max_consecutive_skips` skips in a row the
 caller stops the run rather than skip forever.
@@ -17,24 +17,24 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True)
 class GatingConfig:
-    factor: float = 3.0
-    """Skip when loss or grad norm exceeds factor x its running mean."""
-    warmup_steps: int = 50
-    """Accepted steps before the factor test applies (non-finite steps are always skipped)."""
+    spike_factor: float = 3.0
+    """Skip a step whose loss or grad norm exceeds this x its running mean."""
+    spike_warmup_steps: int = 50
+    """Accepted steps before the spike test applies (non-finite steps are always skipped)."""
     max_consecutive_skips: int = 20
-    """Stop the run after this many skips in a row."""
-    ema_decay: float = 0.99
+    """Stop the run after this many skipped steps in a row."""
+    spike_ema_decay: float = 0.99
     """Decay of the running means (about the last 1/(1-decay) accepted steps)."""
 
     def __post_init__(self) -> None:
-        if not self.factor > 1.0:
-            raise ValueError(f"spike_factor must be > 1, got {self.factor}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"spike_warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.spike_factor > 1.0:
+            raise ValueError(f"spike_factor must be > 1, got {self.spike_factor}")
+        if self.spike_warmup_steps < 0:
+            raise ValueError(f"spike_warmup_steps must be >= 0, got {self.spike_warmup_steps}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
-        if not 0.0 < self.ema_decay < 1.0:
-            raise ValueError(f"gating ema_decay must be in (0, 1), got {self.ema_decay}")
+        if not 0.0 < self.spike_ema_decay < 1.0:
+            raise ValueError(f"spike_ema_decay must be in (0, 1), got {self.spike_ema_decay}")
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SpikeGate:
     consecutive_skips: int = 0
 
     def _mean(self, ema: float) -> float:
-        return ema / (1.0 - self.config.ema_decay ** self.accepted)
+        return ema / (1.0 - self.config.spike_ema_decay ** self.accepted)
 
     @property
     def loss_mean(self) -> float | None:
@@ -64,9 +64,9 @@ class SpikeGate:
             return f"loss is not finite ({loss})"
         if not math.isfinite(grad_norm):
             return f"gradient norm is not finite ({grad_norm})"
-        if self.accepted < self.config.warmup_steps or self.accepted == 0:
+        if self.accepted < self.config.spike_warmup_steps or self.accepted == 0:
             return None
-        f = self.config.factor
+        f = self.config.spike_factor
         if loss > f * self.loss_mean:
             return f"loss {loss:.4g} > {f:g} x running mean {self.loss_mean:.4g}"
         if grad_norm > f * self.grad_norm_mean:
@@ -78,7 +78,7 @@ class SpikeGate:
         if skipped:
             self.consecutive_skips += 1
             return
-        d = self.config.ema_decay
+        d = self.config.spike_ema_decay
         self.loss_ema = d * self.loss_ema + (1.0 - d) * loss
         self.grad_norm_ema = d * self.grad_norm_ema + (1.0 - d) * grad_norm
         self.accepted += 1
