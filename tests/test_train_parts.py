@@ -1,5 +1,6 @@
 """Units of the trainer: schedule, gate, checkpoint writer, config loading, console line."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,7 +10,7 @@ import torch
 
 from dflash.train import checkpoint as checkpoint_module
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
-from dflash.train.config import FitConfig, LossConfig, check_resume, resolve
+from dflash.train.config import FitConfig, LossConfig, check_resume, describe_fields, resolve
 from dflash.train.fit import lr_at
 from dflash.train.gating import GatingConfig, SpikeGate
 from dflash.train.logging import console_line, format_duration, tau_estimate
@@ -189,6 +190,75 @@ def test_resume_refuses_a_changed_numeric_field(tmp_path):
                                                               "eval_every": 7}))
     with pytest.raises(ValueError, match="lr = 0.001"):
         check_resume(tmp_path / "config.json", FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path), "lr": 2e-3}))
+
+
+
+def test_toml_section_tables_and_top_level_keys_mix(tmp_path):
+    path = tmp_path / "fit.toml"
+    path.write_text('cache = ["a"]\nout = "run"\nepochs = 2\n[optimizer]\nlr = 1e-3\n'
+                    '[gating]\nspike-factor = 4.0\n')
+    config = resolve(path, {})
+    assert config.optimizer.lr == 1e-3 and config.gating.spike_factor == 4.0 and config.data.epochs == 2
+    path.write_text('cache = ["a"]\nout = "run"\n[optimizer]\nspike_factor = 4.0\n')
+    with pytest.raises(ValueError, match=r"\[optimizer\] has no field 'spike_factor'"):
+        resolve(path, {})
+
+
+@pytest.mark.parametrize("name,value", [("loss", "mse"), ("device", "tpu"), ("dtype", "float16"),
+                                        ("attention", "sdpa"), ("parallel", "zero3")])
+def test_every_choice_field_is_checked(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        FitConfig.from_dict({"cache": ["c"], "out": "r", name: value})
+
+
+def test_flat_keys_round_trip_and_stay_unique():
+    config = FitConfig.from_dict({"cache": ["c"], "out": "r", "lr": 1e-3, "spike_factor": 4.0,
+                                  "decay_gamma": "auto", "mask_token_id": 7})
+    flat = config.to_dict()
+    assert flat["lr"] == 1e-3 and flat["spike_factor"] == 4.0 and flat["decay_gamma"] is None
+    assert config.model.mask_token_id == 7 and FitConfig.from_dict(flat) == config
+    assert set(flat) == {info.name for info in describe_fields()}
+
+
+def test_every_flag_has_the_field_docstring_and_default():
+    from click.testing import CliRunner
+
+    from dflash.train.cli import main
+
+    options = {param.opts[0]: param for param in main.commands["fit"].params}
+    for info in describe_fields():
+        assert info.doc, f"{info.name} has no docstring"
+        option = options["--" + info.name.replace("_", "-")]
+        assert option.name == info.name and option.help.startswith(info.doc)
+        if info.default not in (dataclasses.MISSING, None):
+            shown = ("on" if info.default else "off") if isinstance(info.default, bool) else str(info.default)
+            assert option.help.endswith(f"[{shown}]"), option.help
+    assert options["--lr"].help.endswith("[0.0006]") and options["--decay-gamma"].help.endswith("[auto]")
+    result = CliRunner().invoke(main, ["fit", "--help"])
+    assert result.exit_code == 0 and "--spike-factor" in result.output and "--max-consecutive-skips" in result.output
+
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--decay-gamma", "banana"], "'banana' is neither 'auto' nor a number"),
+    (["--loss", "mse"], "'mse' is not one of"),
+    (["--lr", "fast"], "'fast' is not a valid float"),
+])
+def test_bad_flag_values_are_usage_errors(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from dflash.train.cli import main
+
+    result = CliRunner().invoke(main, ["fit", "--cache", str(tmp_path), "--out", str(tmp_path / "r"), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+def test_resume_accepts_a_config_json_without_newer_fields(tmp_path):
+    config = FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path)})
+    old = {k: v for k, v in config.to_dict().items() if k != "spike_ema_decay"}  # written before it existed
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    check_resume(tmp_path / "config.json", config)
+    with pytest.raises(ValueError, match="spike_ema_decay = 0.99"):
+        check_resume(tmp_path / "config.json", FitConfig.from_dict({**old, "spike_ema_decay": 0.9}))
 
 
 # -- console -------------------------------------------------------------------------------

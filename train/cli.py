@@ -77,8 +77,6 @@ def _help(info: FieldInfo) -> str:
         shown = info.none_word
     elif isinstance(default, bool):
         shown = "on" if default else "off"
-    elif isinstance(default, float):
-        shown = f"{default:g}"
     else:
         shown = str(default)
     return f"{info.doc} [{shown}]" if shown else info.doc

@@ -178,7 +178,8 @@ class FitConfig:
     """
 
     cache: list[str]
-    """Cache folders (written by dflash-precompute); sequences are concatenated in this order."""
+    """Cache folders (written by dflash-precompute; repeat the flag for several); sequences are
+    concatenated in this order."""
     out: str
     """Run folder: config, checkpoints, metrics; rerunning with it resumes."""
     model: ModelConfig = field(default_factory=ModelConfig)
