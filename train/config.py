@@ -252,8 +252,7 @@ def _choices(cls: type) -> dict[str, tuple]:
 
 # Section name -> component class, in FitConfig's order.
 COMPONENTS: dict[str, type] = {
-    f.name: typing.get_type_hints(FitConfig)[f.name] for f in dataclasses.fields(FitConfig)
-    if dataclasses.is_dataclass(typing.get_type_hints(FitConfig)[f.name])
+    name: hint for name, hint in typing.get_type_hints(FitConfig).items() if dataclasses.is_dataclass(hint)
 }
 
 
@@ -368,7 +367,8 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
     """Refuse to resume a run whose saved config differs in a field that changes the numbers."""
     saved = json.loads(saved_path.read_text())
     current = config.to_dict()
-    defaults = {info.name: info.default for info in describe_fields()}
+    defaults = {info.name: None if info.default is dataclasses.MISSING else info.default
+                for info in describe_fields()}
     for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"}):
         a, b = saved.get(name, defaults[name]), current[name]
         if name == "cache":
