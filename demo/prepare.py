@@ -56,9 +56,9 @@ def prepare_smollm2(cache_dir: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantised.state_dict())
-    with atomic_dir(out) as partial:  # an incomplete `out` (no weights) is replaced
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+    with atomic_dir(out) as tmp:  # an incomplete `out` (no weights) is replaced
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return out
 
 

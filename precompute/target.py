@@ -328,19 +328,19 @@ class Target:
             rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        with atomic_dir(out) as partial:
-            self.config.save_pretrained(partial)
-            self.tokenizer.save_pretrained(partial)
+        with atomic_dir(out) as tmp:
+            self.config.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
             if (self.path / "generation_config.json").is_file():
-                self.model.generation_config.save_pretrained(partial)
+                self.model.generation_config.save_pretrained(tmp)
             # Cloned separately: safetensors refuses tensors that share memory (tied weights).
             try:
                 save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
-                           "lm_head.weight": head.cpu().clone().contiguous()}, partial / "head.safetensors")
+                           "lm_head.weight": head.cpu().clone().contiguous()}, tmp / "head.safetensors")
             except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-                raise OSError(f"{partial / 'head.safetensors'}: cannot write the target's embedding and LM "
+                raise OSError(f"{tmp / 'head.safetensors'}: cannot write the target's embedding and LM "
                               f"head: {error}; free space under {out.parent} and run again") from error
-            info.save(partial)
+            info.save(tmp)
 
 
 def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:

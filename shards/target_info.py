@@ -57,11 +57,7 @@ class TargetInfo:
     None in files written before it was recorded."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.version) or self.version not in READ_TARGET_INFO_VERSIONS:
-            raise ValueError(
-                f"TargetInfo.version is {self.version!r}; this dflash reads version(s) "
-                f"{', '.join(map(str, READ_TARGET_INFO_VERSIONS))}: upgrade dflash to read it, or "
-                "re-run dflash-precompute with this dflash to rewrite the cache")
+        _check_version(self.version)
         if not isinstance(self.layer_ids, (list, tuple)) or not self.layer_ids or not all(
                 _is_int(i) and i >= 0 for i in self.layer_ids):
             raise ValueError(f"TargetInfo.layer_ids must be a non-empty list of layer ids >= 0, "
@@ -100,6 +96,7 @@ class TargetInfo:
         """Check the fields of a parsed target.json (a missing `version` reads as 1)."""
         if not isinstance(data, dict):
             raise ValueError(f"target info must be a JSON object, got {type(data).__name__}")
+        _check_version(data.get("version", 1))  # first: another version may have other fields
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -132,6 +129,14 @@ class TargetInfo:
             return cls.from_dict(data)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
+
+
+def _check_version(version: Any) -> None:
+    if not _is_int(version) or version not in READ_TARGET_INFO_VERSIONS:
+        raise ValueError(
+            f"TargetInfo.version is {version!r}; this dflash reads version(s) "
+            f"{', '.join(map(str, READ_TARGET_INFO_VERSIONS))}: upgrade dflash to read it, or "
+            "re-run dflash-precompute with this dflash to rewrite the cache")
 
 
 def _is_int(value: Any) -> bool:

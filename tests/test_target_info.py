@@ -53,8 +53,9 @@ def test_a_v1_file_without_version_loads_as_version_1(tmp_path, drop_dtype):
 
 
 @pytest.mark.parametrize("version", [0, 2, "1", None, 1.0, True])
-def test_an_unknown_version_is_refused(tmp_path, version):
-    path = _write(tmp_path, {**V1_FILE, "version": version})
+@pytest.mark.parametrize("other_fields", [{}, {"head_dim": 8}])
+def test_an_unknown_version_is_refused(tmp_path, version, other_fields):
+    path = _write(tmp_path, {**V1_FILE, **other_fields, "version": version})
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: TargetInfo\.version is "
                                          rf"{re.escape(repr(version))}; this dflash reads version\(s\) 1"):
         TargetInfo.load(tmp_path)
