@@ -47,3 +47,13 @@ def synthetic_training_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("synthetic-training-cache") / "cache"
     write_synthetic_training_cache(path, lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
