@@ -103,7 +103,7 @@ def disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int,
 def _where_it_failed(cache: Path) -> str:
     """Which write a failed stage one was in, from the temporaries it left."""
     left = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if is_temporary(p.relative_to(cache)))
-    if any(name.startswith("target.partial") for name in left):
+    if any(name.startswith((".target.tmp", ".target.stale")) for name in left):
         return "the target folder"
     if any(name.endswith(".arrow.tmp") for name in left):
         return "a shard"

@@ -173,7 +173,7 @@ def wait_for(condition: Callable[[], bool], child: Child, timeout_s: float = 300
 
 
 def is_temporary(rel: Path) -> bool:
-    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `target.partial/`, `target.stale/`."""
+    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/` (shards.files.atomic_dir)."""
     return any(".tmp" in part or part.endswith((".partial", ".stale")) for part in rel.parts)
 
 
@@ -477,7 +477,7 @@ class Workspace:
     def fit_config(self, cache: Path, out: Path, **overrides):
         from dflash.train.config import FitConfig
 
-        return FitConfig(cache=[str(cache)], out=str(out), **{**FIT_OPTIONS, **overrides})
+        return FitConfig.from_dict({"cache": [str(cache)], "out": str(out), **FIT_OPTIONS, **overrides})
 
     @cached_property
     def clean_fit_weights(self) -> dict:
