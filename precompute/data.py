@@ -1,7 +1,8 @@
 """Stage one's input side: read chat data, normalise records, render them with the target's
 chat template and mark the assistant tokens.
 
-Readers stream `InputRecord`s from JSONL, JSON, Parquet or a `datasets` directory, each
+Readers stream `InputRecord`s from JSONL (plain, or zstandard-compressed `.jsonl.zst`, read
+as a stream), JSON, Parquet or a `datasets` directory, each
 with a source `{"file", "index"}` that names it in rejected.jsonl and in the cache (for
 JSONL the index is the 0-based line number; elsewhere the 0-based record position).
 A JSONL line that is not UTF-8 or not JSON (or nests too deeply to parse) is an
@@ -31,11 +32,12 @@ unfound and the record is rejected with that reason rather than trained with a w
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -68,6 +70,8 @@ def input_format(path: Path) -> str:
         return "datasets"
     if not path.is_file():
         raise ValueError(f"--data {path}: no such file or directory")
+    if path.name.lower().endswith((".jsonl.zst", ".ndjson.zst")):
+        return "jsonl.zst"
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
@@ -76,7 +80,7 @@ def input_format(path: Path) -> str:
     if suffix in (".parquet", ".pq"):
         return "parquet"
     raise ValueError(
-        f"--data {path}: unknown format {suffix!r}; give a .jsonl, .json or .parquet file "
+        f"--data {path}: unknown format {suffix!r}; give a .jsonl, .jsonl.zst, .json or .parquet file "
         "or a directory written by datasets' save_to_disk"
     )
 
@@ -94,7 +98,7 @@ def iter_records(paths: Sequence[str | Path], limit: int | None = None) -> Itera
 
 def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
     fmt = input_format(path)
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "jsonl.zst"):
         yield from _iter_jsonl(path, name)
     elif fmt == "json":
         yield from _iter_json(path, name)
@@ -105,11 +109,27 @@ def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
 
 
 def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
-    with open(path, "rb") as f:
+    with open_lines(path) as f:
         for index, raw in enumerate(f):
             if not raw.strip():
                 continue  # blank lines are not records
             yield _parse_line(raw, name, index)
+
+
+def open_lines(path: Path) -> BinaryIO:
+    """`path` opened for reading lines of bytes; a `.zst` file is decompressed as a stream
+    (constant memory, however large the corpus)."""
+    if not path.name.lower().endswith(".zst"):
+        return open(path, "rb")
+    import zstandard
+
+    raw = open(path, "rb")
+    try:
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    except BaseException:
+        raw.close()
+        raise
+    return io.BufferedReader(stream, buffer_size=1 << 20)
 
 
 def _parse_line(raw: bytes, name: str, index: int) -> InputRecord:
