@@ -227,9 +227,12 @@ class ChatEncoder:
     """Renders records with a tokenizer's chat template and builds the assistant loss mask.
 
     Needs a fast tokenizer (character offsets); `max_length` cuts longer sequences.
+    `chat_template` (Jinja text) replaces the tokenizer's template; `chat_template_kwargs`
+    are passed to every rendering (e.g. {"enable_thinking": False}).
     """
 
-    def __init__(self, tokenizer: Any, max_length: int):
+    def __init__(self, tokenizer: Any, max_length: int, *, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError(
                 f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
@@ -237,17 +240,20 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         special = set(tokenizer.all_special_ids)
         special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         self.special_ids = special
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """The chat template's text for `messages`; RecordError when the template refuses."""
-        if self.tokenizer.chat_template is None:
+        if self.tokenizer.chat_template is None and self.chat_template is None:
             raise ValueError("the target's tokenizer has no chat template; give one or use 'text' records")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template, **self.chat_template_kwargs
             )
         except Exception as e:  # jinja's raise_exception and template errors
             raise RecordError(f"chat template failed: {e}") from e

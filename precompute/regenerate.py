@@ -10,7 +10,8 @@ written + rejected = input.
 A regenerated record: `messages` (user and system turns as given, every assistant turn the
 engine's reply), `source` ({"file", "index"} of the input), `model` (the engine's model
 name), `finish_reasons` (one per assistant turn, in order: "stop", or "length" for a reply
-cut at `max_new_tokens`, which stage one keeps out of the end-of-turn mask) and
+cut at `max_new_tokens`, which stage one keeps out of the end-of-turn mask),
+`prompt_tokens` (per turn, the rendered prompt's length as the server counts it) and
 `generation` (the settings). Turns are regenerated in order: assistant turn i is generated
 from the conversation before it, earlier replies already regenerated. A record with no
 assistant turn (a prompt) gets one reply after its last user turn; a `text` record has no
@@ -268,18 +269,20 @@ class _Regenerator:
                 turns = [len(messages) - 1]
             if turns[0] == 0 or not any(m["role"] == "user" for m in messages[: turns[0]]):
                 raise RecordError("assistant turn 0 has no user turn before it")
-            finish_reasons = []
+            finish_reasons, prompt_tokens = [], []
             for turn, i in enumerate(turns):
-                content, reason, model = await self._complete(
+                content, reason, model, num_prompt = await self._complete(
                     messages[:i], request_seed(self.config.seed, record.source, turn))
                 messages[i]["content"] = content
                 finish_reasons.append(reason)
+                prompt_tokens.append(num_prompt)
         except (RecordError, _Rejected) as error:
             return {"reason": str(error)}
         return {"messages": messages, "source": record.source, "model": model,
-                "finish_reasons": finish_reasons, "generation": self.generation}
+                "finish_reasons": finish_reasons, "prompt_tokens": prompt_tokens,
+                "generation": self.generation}
 
-    async def _complete(self, messages: list[dict[str, str]], seed: int) -> tuple[str, str, str]:
+    async def _complete(self, messages: list[dict[str, str]], seed: int) -> tuple[str, str, str, int | None]:
         import openai
 
         config = self.config
@@ -314,7 +317,7 @@ class _Regenerator:
             f"no answer after {config.max_attempts} tries (last from {tried[-1]}: "
             f"{type(last).__name__}: {last})")
 
-    def _reply(self, response: Any, url: str) -> tuple[str, str, str]:
+    def _reply(self, response: Any, url: str) -> tuple[str, str, str, int | None]:
         choices = getattr(response, "choices", None)
         if not isinstance(choices, list) or not choices:
             raise _Rejected(f"malformed response from {url}: no choices")
@@ -331,7 +334,9 @@ class _Regenerator:
         self.summary.cut_replies += reason == "length"
         self.summary.new_tokens += tokens if isinstance(tokens, int) else 0
         model = getattr(response, "model", None)
-        return content, reason, model if isinstance(model, str) and model else self.model
+        prompt = getattr(usage, "prompt_tokens", None)
+        return (content, reason, model if isinstance(model, str) and model else self.model,
+                prompt if isinstance(prompt, int) else None)
 
 
 def _detail(error: Any) -> str:
