@@ -59,3 +59,7 @@ def main(as_json: bool, **options) -> None:
     except (ValueError, OSError) as error:
         raise click.ClickException(str(error)) from None
     click.echo(json.dumps(summary.to_dict()) if as_json else summary.format())
+
+
+if __name__ == "__main__":
+    main()
