@@ -296,7 +296,7 @@ def test_regenerated_records_build_a_cache_that_trains_and_evaluates(target, ser
     out = tmp_path / "regen.jsonl"
     run_regenerate(_config([data], out, server, max_new_tokens=12, chat_template_kwargs={"flag": "on"}))
     cache_dir = tmp_path / "cache"
-    summary = run_precompute(PrecomputeConfig(target=target, data=[out], out=cache_dir, top_k=4,
+    summary = run_precompute(PrecomputeConfig(target=target, data=[out], out=cache_dir, top_k=4, feature_layers=[1, 3],
                                               max_length=128, progress=False,
                                               chat_template_kwargs={"flag": "on"}))
     assert summary.num_sequences == len(GOOD)
