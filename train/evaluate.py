@@ -322,8 +322,9 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
         try:
             if record is None:
                 raise ValueError(f"invalid JSON on line {index + 1}")
+            template = {} if chat_template is None else {"chat_template": chat_template}
             text = tokenizer.apply_chat_template(prompt_messages(record), tokenize=False,
-                                                 add_generation_prompt=True, chat_template=chat_template,
+                                                 add_generation_prompt=True, **template,
                                                  **(chat_template_kwargs or {}))
         except ValueError as e:
             rejected.append({**source, "reason": str(e)})
