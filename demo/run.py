@@ -58,6 +58,9 @@ class DemoConfig:
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
+    server: bool = False
+    """Regenerate the replies through a local `transformers serve` and dflash-regenerate
+    instead of in-process `dflash-precompute --regenerate`."""
 
     def __post_init__(self) -> None:
         if self.num_conversations * self.eval_fraction < 1:
@@ -90,7 +93,9 @@ def parse_args() -> DemoConfig:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for field in dataclasses.fields(DemoConfig):
-        if field.name != "work_dir":
+        if field.type in (bool, "bool"):
+            parser.add_argument("--" + field.name.replace("_", "-"), action="store_true")
+        elif field.name != "work_dir":
             parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo")),
                         help="where everything is prepared and written (env DFLASH_DEMO_DIR)")
@@ -111,10 +116,19 @@ def main() -> None:
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
     cache, run_dir = work / "cache", work / "run"
+    regenerate = ["--regenerate", "--max-new-tokens", str(config.max_new_tokens)]
+    if config.server:  # the same replies from a serving engine; the cache is built from its output
+        from dflash.precompute.local_server import local_server
+
+        cache, run_dir = work / "cache-server", work / "run-server"
+        regenerated = work / "chitchat.regenerated.jsonl"
+        with local_server(target, log=work / "serve.log") as url:
+            run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
+                 "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "4", "--json"])
+        data, regenerate = regenerated, []
     precompute = run([
         bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(cache),
-        "--regenerate", "--max-new-tokens", str(config.max_new_tokens), "--max-length", str(config.max_length),
-        "--device", "cpu", "--json",
+        *regenerate, "--max-length", str(config.max_length), "--device", "cpu", "--json",
     ], capture_json=True)
 
     fit_args = [

@@ -8,6 +8,7 @@ import os
 
 import click
 
+from dflash.precompute.regenerate_cli import parse_template_kwargs
 from dflash.precompute.run import PrecomputeConfig, run_precompute
 
 
@@ -39,6 +40,10 @@ def _layer_ids(ctx, param, value: str) -> list[int] | None:
               help="auto: bfloat16 on GPU, float32 on CPU.")
 @click.option("--limit", type=int, default=None, help="Read at most this many records.")
 @click.option("--regenerate", is_flag=True, help="Replace the assistant replies by the target's own.")
+@click.option("--chat-template-kwargs", callback=parse_template_kwargs, default=None,
+              help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'.")
+@click.option("--chat-template", type=click.Path(path_type=str, dir_okay=False), default=None,
+              help="Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--max-new-tokens", type=int, default=512, help="Longest regenerated reply.")
 @click.option("--temperature", type=float, default=0.0, help="Regeneration temperature (0: greedy).")
 @click.option("--seed", type=int, default=0, help="Seed of sampled regeneration.")

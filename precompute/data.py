@@ -1,7 +1,8 @@
 """Stage one's input side: read chat data, normalise records, render them with the target's
 chat template and mark the assistant tokens.
 
-Readers stream `InputRecord`s from JSONL, JSON, Parquet or a `datasets` directory, each
+Readers stream `InputRecord`s from JSONL (plain, or zstandard-compressed `.jsonl.zst`, read
+as a stream), JSON, Parquet or a `datasets` directory, each
 with a source `{"file", "index"}` that names it in rejected.jsonl and in the cache (for
 JSONL the index is the 0-based line number; elsewhere the 0-based record position).
 A JSONL line that is not UTF-8 or not JSON (or nests too deeply to parse) is an
@@ -31,11 +32,12 @@ unfound and the record is rejected with that reason rather than trained with a w
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -68,6 +70,8 @@ def input_format(path: Path) -> str:
         return "datasets"
     if not path.is_file():
         raise ValueError(f"--data {path}: no such file or directory")
+    if path.name.lower().endswith((".jsonl.zst", ".ndjson.zst")):
+        return "jsonl.zst"
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
@@ -76,7 +80,7 @@ def input_format(path: Path) -> str:
     if suffix in (".parquet", ".pq"):
         return "parquet"
     raise ValueError(
-        f"--data {path}: unknown format {suffix!r}; give a .jsonl, .json or .parquet file "
+        f"--data {path}: unknown format {suffix!r}; give a .jsonl, .jsonl.zst, .json or .parquet file "
         "or a directory written by datasets' save_to_disk"
     )
 
@@ -94,7 +98,7 @@ def iter_records(paths: Sequence[str | Path], limit: int | None = None) -> Itera
 
 def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
     fmt = input_format(path)
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "jsonl.zst"):
         yield from _iter_jsonl(path, name)
     elif fmt == "json":
         yield from _iter_json(path, name)
@@ -105,11 +109,27 @@ def _iter_one(path: Path, name: str) -> Iterator[InputRecord]:
 
 
 def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
-    with open(path, "rb") as f:
+    with open_lines(path) as f:
         for index, raw in enumerate(f):
             if not raw.strip():
                 continue  # blank lines are not records
             yield _parse_line(raw, name, index)
+
+
+def open_lines(path: Path) -> BinaryIO:
+    """`path` opened for reading lines of bytes; a `.zst` file is decompressed as a stream
+    (constant memory, however large the corpus)."""
+    if not path.name.lower().endswith(".zst"):
+        return open(path, "rb")
+    import zstandard
+
+    raw = open(path, "rb")
+    try:
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    except BaseException:
+        raw.close()
+        raise
+    return io.BufferedReader(stream, buffer_size=1 << 20)
 
 
 def _parse_line(raw: bytes, name: str, index: int) -> InputRecord:
@@ -207,9 +227,12 @@ class ChatEncoder:
     """Renders records with a tokenizer's chat template and builds the assistant loss mask.
 
     Needs a fast tokenizer (character offsets); `max_length` cuts longer sequences.
+    `chat_template` (Jinja text) replaces the tokenizer's template; `chat_template_kwargs`
+    are passed to every rendering (e.g. {"enable_thinking": False}).
     """
 
-    def __init__(self, tokenizer: Any, max_length: int):
+    def __init__(self, tokenizer: Any, max_length: int, *, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError(
                 f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
@@ -217,17 +240,20 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         special = set(tokenizer.all_special_ids)
         special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         self.special_ids = special
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """The chat template's text for `messages`; RecordError when the template refuses."""
-        if self.tokenizer.chat_template is None:
+        if self.tokenizer.chat_template is None and self.chat_template is None:
             raise ValueError("the target's tokenizer has no chat template; give one or use 'text' records")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template, **self.chat_template_kwargs
             )
         except Exception as e:  # jinja's raise_exception and template errors
             raise RecordError(f"chat template failed: {e}") from e

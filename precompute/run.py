@@ -53,6 +53,7 @@ import numpy as np
 from dflash.precompute.data import ChatEncoder, Encoded, RecordError, input_sha256, iter_records, normalize_record
 from dflash.precompute.plan import assign_ranks, plan_batches
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
+from dflash.shards.records import cut_assistant_turns
 
 
 @dataclass(kw_only=True)
@@ -87,6 +88,10 @@ class PrecomputeConfig:
     """Read at most this many records in total (all inputs together)."""
     regenerate: bool = False
     """Replace the assistant replies by the target's own."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments for the chat template (e.g. {"enable_thinking": False}); kept in the manifest."""
+    chat_template: Path | None = None
+    """A Jinja chat template file used instead of the tokenizer's; its text is kept in the manifest."""
     max_new_tokens: int = 512
     """Longest regenerated reply, in tokens."""
     temperature: float = 0.0
@@ -113,6 +118,12 @@ class PrecomputeConfig:
         self.data = [Path(p) for p in ([self.data] if isinstance(self.data, (str, Path)) else self.data)]
         if not self.data:
             raise ValueError("give at least one --data input")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"--chat-template-kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
+        if self.chat_template is not None:
+            self.chat_template = Path(self.chat_template)
+            if not self.chat_template.is_file():
+                raise ValueError(f"--chat-template {self.chat_template}: no such file")
         checks = [
             (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
             (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
@@ -410,7 +421,8 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
     try:
         if done:
             log(f"resuming: {len(done):,} records already in complete shards")
-        encoder = ChatEncoder(target.tokenizer, config.max_length)
+        encoder = ChatEncoder(target.tokenizer, config.max_length, chat_template=_template_text(config),
+                              chat_template_kwargs=config.chat_template_kwargs)
 
         def scan() -> list[tuple[int, int]]:
             if rank == 0:
@@ -456,6 +468,8 @@ def _build_spec(config: PrecomputeConfig, target: Any, world_size: int) -> Cache
     options["world_size"] = world_size
     for key in ("progress", "overwrite", "nproc", "dist_timeout_s"):
         options.pop(key)
+    options["chat_template_text"] = _template_text(config)
+    options["replies"] = replies_provenance(config)
     return CacheSpec(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, layer_ids=target.layer_ids,
         top_k=config.top_k, feature_codec=config.feature_codec, topk_codec=config.topk_codec,
@@ -464,6 +478,24 @@ def _build_spec(config: PrecomputeConfig, target: Any, world_size: int) -> Cache
         target=target.identity(), tokenizer_sha256=target.tokenizer_sha256(),
         inputs=[{"path": str(p), "sha256": input_sha256(p)} for p in config.data],
         shard_max_rows=config.shard_max_rows, options=options)
+
+
+def _template_text(config: PrecomputeConfig) -> str | None:
+    return None if config.chat_template is None else config.chat_template.read_text(encoding="utf-8")
+
+
+def replies_provenance(config: PrecomputeConfig) -> dict[str, Any]:
+    """How the cached replies were made: "in-process" (--regenerate), "engine" (inputs
+    written by dflash-regenerate: model and settings as their first record states) or "data"."""
+    if config.regenerate:
+        return {"made_by": "in-process", "model": str(config.target), "max_new_tokens": config.max_new_tokens,
+                "temperature": config.temperature, "seed": config.seed,
+                "chat_template_kwargs": config.chat_template_kwargs}
+    first = next(iter(iter_records(config.data, 1)), None)
+    data = first.data if first is not None else None
+    if isinstance(data, dict) and isinstance(data.get("generation"), dict) and "model" in data:
+        return {"made_by": "engine", "model": data["model"], **data["generation"]}
+    return {"made_by": "data"}
 
 
 def _finished_cache(config: PrecomputeConfig, spec: CacheSpec) -> bool:
@@ -503,7 +535,9 @@ def _reject(config: PrecomputeConfig, writer: CacheWriter, source: dict[str, Any
 
 def _prepare(encoder: ChatEncoder, data: Any) -> tuple[list[dict[str, str]] | str, Encoded]:
     conversation = normalize_record(data)
-    return conversation, encoder.encode(conversation)
+    if isinstance(conversation, str):
+        return conversation, encoder.encode(conversation)
+    return conversation, encoder.encode(conversation, cut_turns=cut_assistant_turns(data, conversation))
 
 
 def _prepare_stride(config, encoder, writer, done, stats, rank, world_size) -> list[tuple[int, int]]:

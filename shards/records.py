@@ -120,3 +120,19 @@ def _check_unicode(text: str, where: str) -> str:
     except UnicodeEncodeError as e:
         raise RecordError(f"field '{where}' holds invalid Unicode (a lone surrogate at character {e.start})") from None
     return text
+
+
+def cut_assistant_turns(data: Any, messages: list[dict[str, str]]) -> frozenset[int]:
+    """Indices (into `messages`) of the assistant turns a regenerated record marks as cut.
+
+    `dflash-regenerate` writes `finish_reasons`, one per assistant turn in order; "length"
+    means the reply stopped at the token limit, so the template's end-of-turn token after it
+    was not written by the model. Records without the field have no cut turns.
+    """
+    reasons = data.get("finish_reasons") if isinstance(data, dict) else None
+    if not isinstance(reasons, list):
+        return frozenset()
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(reasons) != len(turns):
+        raise RecordError(f"field 'finish_reasons' has {len(reasons)} entries for {len(turns)} assistant turns")
+    return frozenset(i for i, reason in zip(turns, reasons) if reason == "length")

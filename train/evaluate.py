@@ -305,13 +305,14 @@ def iter_prompt_records(path: str | Path) -> Iterator[tuple[int, Any]]:
 
 
 def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = None,
-                 limit: int | None = None) -> tuple[list[Prompt], list[dict[str, Any]]]:
+                 limit: int | None = None, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """Prompts of a records file, rendered with the tokenizer's chat template.
 
     keep: only these record indices (None: all). Returns (prompts, rejected), each rejected
     record as {"file", "index", "reason"}.
     """
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and chat_template is None:
         raise ValueError("the target's tokenizer has no chat template: online eval renders prompts with it")
     prompts, rejected = [], []
     for index, record in iter_prompt_records(path):
@@ -323,8 +324,10 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
         try:
             if record is None:
                 raise ValueError(f"invalid JSON on line {index + 1}")
+            template = {} if chat_template is None else {"chat_template": chat_template}
             text = tokenizer.apply_chat_template(prompt_messages(record), tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, **template,
+                                                 **(chat_template_kwargs or {}))
         except ValueError as e:
             rejected.append({**source, "reason": str(e)})
             continue
@@ -455,6 +458,10 @@ class EvalConfig:
     bfloat16. float32 makes the lossless check meaningful to the last bit; see speculative.py."""
     save: bool = True
     """Write the figures to RUN/eval/<checkpoint>.json (read by `dflash-train export`)."""
+    chat_template_kwargs: str | None = None
+    """Online: JSON object for the chat template; None: the cache's (a different one warns)."""
+    chat_template: str | None = None
+    """Online: Jinja chat template file; None: the cache's (or the tokenizer's)."""
 
     def __post_init__(self) -> None:
         if self.online and (self.target is None or self.prompts is None):
@@ -644,8 +651,13 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
         target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
+        from dflash.train.chat_template import resolve_template_settings
+
+        template_kwargs, template_text = resolve_template_settings(
+            selection[0][0] if selection else None, config.chat_template_kwargs, config.chat_template)
         prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
-                                         limit=None if keep is not None else config.limit)
+                                         limit=None if keep is not None else config.limit,
+                                         chat_template=template_text, chat_template_kwargs=template_kwargs)
         head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                           lm_head=target.get_output_embeddings().weight.detach())
         proposer = DrafterProposer(drafter.to(dtype), head)
@@ -661,7 +673,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
         bar.close()
         online.update(rejected=rejected, stop_token_ids=sorted(stop), device=str(device),
                       dtype=str(dtype).removeprefix("torch."), target=str(config.target),
-                      prompts=str(config.prompts))
+                      prompts=str(config.prompts), chat_template_kwargs=template_kwargs)
         result["online"] = online
 
     if config.save and config.run is not None:
@@ -725,6 +737,10 @@ def format_report(result: dict[str, Any]) -> str:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Online target dtype (auto: float32 on cpu, bfloat16 on cuda).")
+@click.option("--chat-template-kwargs", default=None,
+              help="Online: JSON object for the chat template [the cache's].")
+@click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
+              help="Online: Jinja chat template file [the cache's, else the tokenizer's].")
 @click.option("--save/--no-save", default=True, show_default=True, help="Write RUN/eval/<checkpoint>.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
 def eval_command(as_json: bool, **options: Any) -> None:
