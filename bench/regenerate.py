@@ -3,7 +3,7 @@ concurrency 1, 2, 4, 8 against in-process greedy generation (what `dflash-precom
 --regenerate` runs), on the embedded default's prompts (SmolLM2-135M-Instruct, chitchat)
 on CPU in float32, and the share of server replies identical to in-process greedy ones.
 
-    python bench/regenerate.py [--num-prompts 24] [--max-new-tokens 48] [--json]
+    python -m bench.regenerate [--num-prompts 24] [--max-new-tokens 48] [--json]
 
 Human table; with --json, one JSON object as the last line.
 """
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def in_process(target: Path, records: list[dict], max_new_tokens: int) -> tuple[list[str], float, int]:

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import free_port, start_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, ServerGone, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from test_precompute_support import CHATML_TEMPLATE, build_target, write_jsonl
+from tests.builders import CHATML_TEMPLATE, build_target, write_jsonl
 
 FLAG_TEMPLATE = (
     "{%- if flag is defined %}{{- '<|im_start|>system\\nflag=' ~ flag ~ '<|im_end|>\\n' }}{%- endif %}"
