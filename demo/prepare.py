@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
+
+from dflash.shards.files import atomic_dir, write_atomic
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,12 +56,9 @@ def prepare_smollm2(cache_dir: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantised.state_dict())
-    partial = out.with_name(out.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    if out.exists():  # a concurrent preparation finished first; its result is the same
-        return out
-    os.replace(partial, out)
+    with atomic_dir(out) as tmp:  # an incomplete `out` (no weights) is replaced
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return out
 
 
@@ -100,9 +98,6 @@ def prepare_chitchat(out_path: Path, limit: int | None = None, max_turns: int | 
     if out_path.is_file():
         return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_path.with_name(out_path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as f:
-        for record in chitchat_records(limit, max_turns):
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(partial, out_path)
+    write_atomic(out_path, "".join(json.dumps(record, ensure_ascii=False) + "\n"
+                                   for record in chitchat_records(limit, max_turns)))
     return out_path

@@ -18,9 +18,6 @@ mates (up to the reduction order of the matmuls). Generation left-pads, as decod
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.shards import default_layer_ids
+from dflash.shards import TargetInfo, default_layer_ids
+from dflash.shards.files import atomic_dir
 
 # fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
 TOPK_CHUNK_BYTES = 2**28
@@ -308,51 +306,41 @@ class Target:
     def write_target_dir(self, out: Path) -> None:
         """Write `out` (CACHE/target): config, tokenizer, generation config, head.safetensors
         (embedding and LM head, both always present, in the run's dtype) and target.json.
-        Written under a temporary name and renamed, so `out` is complete or absent."""
+        Published atomically (`atomic_dir`), so `out` is complete or absent."""
         from safetensors.torch import save_file
 
-        partial = out.with_name(out.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        self.config.save_pretrained(partial)
-        self.tokenizer.save_pretrained(partial)
-        if (self.path / "generation_config.json").is_file():
-            self.model.generation_config.save_pretrained(partial)
         embed = self.model.get_input_embeddings().weight.detach()  # [V, H]
         head = self.model.get_output_embeddings().weight.detach()  # [V, H]
-        # Cloned separately: safetensors refuses tensors that share memory (tied weights).
-        try:
-            save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
-                       "lm_head.weight": head.cpu().clone().contiguous()}, partial / "head.safetensors")
-        except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-            raise OSError(f"{partial / 'head.safetensors'}: cannot write the target's embedding and LM "
-                          f"head: {error}; free space under {out.parent} and run again") from error
         text_config = self.config.get_text_config()
         rope = getattr(text_config, "rope_parameters", None) or {}
-        info = {
-            "layer_ids": self.layer_ids,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": bool(getattr(text_config, "tie_word_embeddings", False)),
-            "model_type": self.config.model_type,
-            "mask_token_id": self.tokenizer.mask_token_id,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": text_config.eos_token_id,
-            "bos_token_id": text_config.bos_token_id,
-            "rms_norm_eps": getattr(text_config, "rms_norm_eps", None),
-            "rope_theta": rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
-        with open(partial / "target.json", "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        stale = out.with_name(out.name + ".stale")
-        if out.exists():
-            os.replace(out, stale)
-        os.replace(partial, out)
-        shutil.rmtree(stale, ignore_errors=True)
+        info = TargetInfo(
+            layer_ids=self.layer_ids,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+            model_type=self.config.model_type,
+            mask_token_id=self.tokenizer.mask_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=text_config.eos_token_id,
+            bos_token_id=text_config.bos_token_id,
+            rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
+            rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        with atomic_dir(out) as tmp:
+            self.config.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if (self.path / "generation_config.json").is_file():
+                self.model.generation_config.save_pretrained(tmp)
+            # Cloned separately: safetensors refuses tensors that share memory (tied weights).
+            try:
+                save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
+                           "lm_head.weight": head.cpu().clone().contiguous()}, tmp / "head.safetensors")
+            except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
+                raise OSError(f"{tmp / 'head.safetensors'}: cannot write the target's embedding and LM "
+                              f"head: {error}; free space under {out.parent} and run again") from error
+            info.save(tmp)
 
 
 def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:

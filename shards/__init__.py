@@ -7,15 +7,18 @@ from dflash.shards.codecs import topk_codec_kl
 from dflash.shards.layers import default_layer_ids, hidden_state_index
 from dflash.shards.reader import Cache, RawSequence, Sequence, open_cache, verify_cache
 from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+from dflash.shards.target_info import TARGET_INFO_VERSION, TargetInfo
 from dflash.shards.writer import CacheWriter, finalize_cache
 
 __all__ = [
     "FORMAT_VERSION",
+    "TARGET_INFO_VERSION",
     "Cache",
     "CacheSpec",
     "CacheWriter",
     "RawSequence",
     "Sequence",
+    "TargetInfo",
     "default_layer_ids",
     "finalize_cache",
     "hidden_state_index",

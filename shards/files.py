@@ -2,8 +2,10 @@
 
 A file is written under a temporary name in the same folder, flushed and fsynced, renamed
 over its final name, and the folder is fsynced, so a crash at any instant leaves either the
-old file or the new one, never a readable half. Pure Python: the bottom layer, so that
-precompute and train share it without importing each other.
+old file or the new one, never a readable half. A folder of files published together (a
+checkpoint, an export, CACHE/target) is written the same way as a whole by `atomic_dir`.
+Pure Python: the bottom layer, so that precompute and train share it without importing
+each other.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,42 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, fsync_files: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary folder `.NAME.tmp` beside `path` to fill; on a clean exit
+    publish it as `path`: fsync its files (unless `fsync_files` is False: the caller fsynced
+    each one as it wrote it) and folders, rename it to `path`, fsync the parent.
+
+    `path` is complete or absent at any instant of a crash; an existing `path` is replaced
+    (renamed to `.NAME.stale` first, deleted after). On an exception the temporary folder is
+    deleted and `path` is as it was. A temporary folder left by a crash is deleted on entry.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    stale = path.with_name(f".{path.name}.stale")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for inner in sorted(tmp.rglob("*"), reverse=True):  # a folder's entries before the folder
+            if inner.is_dir():
+                fsync_dir(inner)
+            elif fsync_files:
+                fsync_file(inner)
+        fsync_dir(tmp)
+        if path.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(path, stale)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if stale.exists() and not path.exists():  # the final rename failed: put the old one back
+            os.replace(stale, path)
+        raise
+    fsync_dir(path.parent)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
 def write_atomic(path: str | Path, data: bytes | str) -> None:
     """Write `data` (bytes, or text as UTF-8) to `path` atomically."""
     if isinstance(data, str):
@@ -65,4 +104,4 @@ def write_json_atomic(path: str | Path, obj: Any, *, indent: int | None = 1, sor
     write_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, separators=separators) + "\n")
 
 
-__all__ = ["atomic_path", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic"]
+__all__ = ["atomic_dir", "atomic_path", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic"]

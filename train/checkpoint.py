@@ -31,6 +31,12 @@ from pathlib import Path
 
 import torch
 
+from dflash.shards.files import atomic_dir, fsync_file
+
+# The per-file fsync, by a name of this module: bench/faults.py replaces it to kill a write
+# between two files.
+_fsync_file = fsync_file
+
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -60,7 +66,7 @@ class CheckpointWriter:
         self._finished: list[CheckpointEvent] = []
         self._lock = threading.Lock()
         self._buffers: dict[str, torch.Tensor] = {}
-        for stale in self.root.glob(".step-*.tmp"):  # left by a crash mid-write
+        for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.stale")]:  # left by a crash
             shutil.rmtree(stale, ignore_errors=True)
 
     def check(self) -> None:
@@ -131,11 +137,7 @@ class CheckpointWriter:
     def _write(self, step, model_host, optimizer_host, payload, snapshot_s, wait_s) -> None:
         try:
             t0 = time.perf_counter()
-            name = f"step-{step:08d}"
-            tmp = self.root / f".{name}.tmp"
-            final = self.root / name
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            final = self.root / f"step-{step:08d}"
             from safetensors.torch import save_file
 
             writes = {
@@ -143,28 +145,23 @@ class CheckpointWriter:
                 "optimizer.pt": lambda path: _torch_save(optimizer_host, path),
                 "state.json": lambda path: path.write_text(json.dumps(payload, indent=1, sort_keys=True)),
             }
-            for file_name, write in writes.items():
-                with _naming_failure(tmp / file_name, final):
-                    write(tmp / file_name)
             size = 0
-            for path in sorted(tmp.iterdir()):  # fsync after every write, so a kill can land between
-                with _naming_failure(path, final):
-                    size += path.stat().st_size
-                    _fsync_file(path)
-            _fsync_dir(tmp)
-            if final.exists():  # a rerun that reached the same step again: replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+            # A rerun that reached the same step again replaces that checkpoint.
+            with atomic_dir(final, fsync_files=False) as tmp:
+                for file_name, write in writes.items():
+                    with _naming_failure(tmp / file_name, final):
+                        write(tmp / file_name)
+                for path in sorted(tmp.iterdir()):  # fsync after every write, so a kill can land between
+                    with _naming_failure(path, final):
+                        size += path.stat().st_size
+                        _fsync_file(path)
             for old in list_checkpoints(self.root.parent)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
             event = CheckpointEvent(step, str(final), snapshot_s, wait_s, time.perf_counter() - t0, size)
             with self._lock:
                 self._finished.append(event)
         except BaseException as error:  # re-raised in the training loop by check()
-            # A failed write leaves its temporary folder: delete it (it may hold the space a
-            # rerun needs); it never had a final name.
-            shutil.rmtree(self.root / f".step-{step:08d}.tmp", ignore_errors=True)
+            # atomic_dir has deleted the temporary folder (it may hold the space a rerun needs).
             self._error = error
 
 
@@ -208,22 +205,6 @@ def _os_error_of(error: BaseException) -> OSError | None:
         code = int(match.group(1))
         return OSError(code, os.strerror(code))
     return None
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -55,7 +55,9 @@ import click
 import numpy as np
 import torch
 
+from dflash.shards.files import write_json_atomic
 from dflash.shards.records import prompt_messages
+from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.data import eligible_anchors
 from dflash.train.export import eval_results_path, load_drafter
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
@@ -546,11 +548,13 @@ def _token_id_set(value: int | list[int] | tuple[int, ...] | None) -> set[int]:
 def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
     """The target's stop tokens as CACHE/target records them (the eos of target.json and of
     generation_config.json, as online decoding stops on); None when neither names one."""
+    target_dir = Path(target_dir)
     stops: set[int] = set()
-    for name in ("target.json", "generation_config.json"):
-        path = Path(target_dir) / name
-        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-        stops |= _token_id_set(eos)
+    if (target_dir / TARGET_INFO_FILE).is_file():
+        stops |= _token_id_set(TargetInfo.load(target_dir).eos_token_id)
+    generation = target_dir / "generation_config.json"
+    if generation.is_file():
+        stops |= _token_id_set(json.loads(generation.read_text()).get("eos_token_id"))
     return stops or None
 
 
@@ -665,9 +669,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
         saved = json.loads(path.read_text()) if path.is_file() else {}
         saved.update(result)  # an offline-only call keeps the checkpoint's earlier online figures
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(saved, indent=1) + "\n")
-        tmp.replace(path)
+        write_json_atomic(path, saved, indent=1, sort_keys=False)
         result["saved_to"] = str(path)
     return result
 

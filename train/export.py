@@ -30,8 +30,6 @@ transformers version and carries no unrelated defaults (id2label, return_dict, .
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,8 @@ from typing import Any
 import click
 import torch
 
-from dflash.shards import open_cache
+from dflash.shards import TargetInfo, open_cache
+from dflash.shards.files import atomic_dir
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
@@ -190,24 +189,17 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     weights_dtype = dtype or next(iter(state.values())).dtype
     dtype_name = next(name for name, value in DTYPES.items() if value == weights_dtype)
     assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {name: t.detach().to("cpu", weights_dtype).contiguous() for name, t in state.items()}
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"{tmp / 'model.safetensors'}: cannot write the drafter's weights: {error}; "
-                      f"free space under {out.parent} and export again") from error
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if card is not None:
-        (tmp / "README.md").write_text(card)
-    for path in tmp.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        try:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
+            raise OSError(f"{tmp / 'model.safetensors'}: cannot write the drafter's weights: {error}; "
+                          f"free space under {out.parent} and export again") from error
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if card is not None:
+            (tmp / "README.md").write_text(card)
     return out
 
 
@@ -372,8 +364,8 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     token_ids = None
     caches = (loaded.fit_config or {}).get("cache") or []
     if caches and (Path(caches[0]) / "target" / "target.json").is_file():
-        target = _read_json(Path(caches[0]) / "target" / "target.json")
-        token_ids = {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        target = TargetInfo.load(Path(caches[0]) / "target")
+        token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     card = model_card(loaded, evaluation=evaluation)
     return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
                         token_ids=token_ids, card=card)

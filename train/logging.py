@@ -21,6 +21,8 @@ import math
 import os
 from pathlib import Path
 
+from dflash.shards.files import write_atomic
+
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",
              "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "step_time_s")
 
@@ -145,9 +147,7 @@ def _truncate_after(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError):
             continue  # a line torn by the crash
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _wandb_id(run_dir: Path) -> str:

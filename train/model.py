@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.shards import TargetInfo
+
 AttentionImpl = Literal["auto", "flex", "dense"]
 
 
@@ -129,12 +131,12 @@ class DrafterConfig:
         its `pad_token_id`, else its `eos_token_id` (see `choose_mask_token_id`).
         """
         target_dir = Path(target_dir)
-        target = _read_json(target_dir / "target.json")
+        target = TargetInfo.load(target_dir)
         hf = _read_json(target_dir / "config.json")
         hf_text = hf.get("text_config", hf)  # multimodal configs nest the language model's
         heads = int(hf_text["num_attention_heads"])
-        hidden = int(target["hidden_size"])
-        rope_theta = target.get("rope_theta") or hf_text.get("rope_theta") or (
+        hidden = target.hidden_size
+        rope_theta = target.rope_theta or hf_text.get("rope_theta") or (
             (hf_text.get("rope_parameters") or {}).get("rope_theta")) or 10000.0
         return cls(
             hidden_size=hidden,
@@ -143,18 +145,18 @@ class DrafterConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(hf_text.get("num_key_value_heads") or heads),
             head_dim=int(hf_text.get("head_dim") or hidden // heads),
-            vocab_size=int(target["vocab_size"]),
-            target_layer_ids=list(target["layer_ids"]),
-            num_target_layers=int(target["num_layers"]),
+            vocab_size=target.vocab_size,
+            target_layer_ids=list(target.layer_ids),
+            num_target_layers=target.num_layers,
             block_size=block_size,
             mask_token_id=choose_mask_token_id(target) if mask_token_id is None else mask_token_id,
-            rms_norm_eps=float(target.get("rms_norm_eps") or hf_text.get("rms_norm_eps") or 1e-6),
+            rms_norm_eps=float(target.rms_norm_eps or hf_text.get("rms_norm_eps") or 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(hf_text.get("max_position_embeddings") or 32768),
         )
 
 
-def choose_mask_token_id(target: dict) -> int:
+def choose_mask_token_id(target: TargetInfo) -> int:
     """The mask token for a target described by target.json.
 
     The tokenizer's own mask token when it has one (a reserved row, as Qwen3's 151669);
@@ -164,7 +166,7 @@ def choose_mask_token_id(target: dict) -> int:
     is the same id. The choice is recorded in the run's resolved config.
     """
     for key in ("mask_token_id", "pad_token_id", "eos_token_id"):
-        value = target.get(key)
+        value = getattr(target, key)
         if isinstance(value, list):  # some configs list several eos ids
             value = value[0] if value else None
         if value is not None:

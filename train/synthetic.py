@@ -14,17 +14,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.shards import TargetInfo
+from dflash.shards.files import atomic_dir
+
 
 def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_size: int,
                            num_layers: int, layer_ids: list[int], num_attention_heads: int,
                            num_key_value_heads: int, head_dim: int, intermediate_size: int,
                            mask_token_id: int | None = None, seed: int = 0,
                            dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write config.json, target.json and head.safetensors for an imaginary Qwen3 target."""
+    """Write config.json, target.json and head.safetensors for an imaginary Qwen3 target, as
+    one folder published atomically (an existing one is replaced), as stage one does."""
     from safetensors.torch import save_file
 
-    target_dir = Path(target_dir)
-    target_dir.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
         "hidden_size": hidden_size, "num_hidden_layers": num_layers,
@@ -32,19 +34,20 @@ def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_si
         "head_dim": head_dim, "intermediate_size": intermediate_size, "rms_norm_eps": 1e-6,
         "rope_theta": 1_000_000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     }
-    (target_dir / "config.json").write_text(json.dumps(config, indent=1))
-    target = {
-        "layer_ids": list(layer_ids), "num_layers": num_layers, "hidden_size": hidden_size,
-        "vocab_size": vocab_size, "tie_word_embeddings": False, "model_type": "qwen3",
-        "mask_token_id": mask_token_id, "pad_token_id": None, "eos_token_id": vocab_size - 1,
-        "bos_token_id": None, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
-    }
-    (target_dir / "target.json").write_text(json.dumps(target, indent=1))
+    info = TargetInfo(
+        layer_ids=list(layer_ids), num_layers=num_layers, hidden_size=hidden_size,
+        vocab_size=vocab_size, tie_word_embeddings=False, model_type="qwen3",
+        mask_token_id=mask_token_id, pad_token_id=None, eos_token_id=vocab_size - 1,
+        bos_token_id=None, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        dtype=str(dtype).removeprefix("torch."))
     generator = torch.Generator().manual_seed(seed)
     embed = torch.randn(vocab_size, hidden_size, generator=generator) * 0.5  # [V, H]
     head = torch.randn(vocab_size, hidden_size, generator=generator) / hidden_size ** 0.5  # [V, H]
-    save_file({"embed_tokens.weight": embed.to(dtype).contiguous(),
-               "lm_head.weight": head.to(dtype).contiguous()}, str(target_dir / "head.safetensors"))
+    with atomic_dir(target_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        info.save(tmp)
+        save_file({"embed_tokens.weight": embed.to(dtype).contiguous(),
+                   "lm_head.weight": head.to(dtype).contiguous()}, str(tmp / "head.safetensors"))
 
 
 def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int], vocab_size: int = 64,
