@@ -38,7 +38,7 @@ test: $(VENV)/.test
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(VENV)/.demo
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) demo/run.py
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m demo.run
 
 clean-venv:
 	rm -rf $(VENV)

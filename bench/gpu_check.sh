@@ -73,9 +73,8 @@ if ! timeout 170 "$PY" - "$REPO" <<'EOF'
 import sys, time
 import torch
 
-sys.path.insert(0, f"{sys.argv[1]}/bench")
-from loss_bench import make_inputs  # noqa: E402
-from dflash.kernels import sparse_kl_loss  # noqa: E402
+from bench.loss_bench import make_inputs  # the script runs from the repository root
+from dflash.kernels import sparse_kl_loss
 
 torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference and fp32 Triton use IEEE fp32
 failures = []

@@ -11,8 +11,10 @@ CPU time on one thread (the default here) does not depend on them. Repeats alter
 two and keep the fastest of each. Also: tokens/s, stored bytes per token by column, and
 the mean KL that the packed top-k codec costs on these real distributions (the exact fp32
 top-k from the bare pass against its encoded-decoded form; the codec's budget is 1e-3 nat).
+Run it from the repository root as a module: it imports the demo's preparation
+(`demo.prepare`).
 
-    python bench/precompute_overhead.py [--num-sequences 64] [--threads 1] [--repeats 2] [--json]
+    python -m bench.precompute_overhead [--num-sequences 64] [--threads 1] [--repeats 2] [--json]
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,11 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # demo/ (not an installed package)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 from demo.prepare import prepare_chitchat, prepare_smollm2  # noqa: E402
-
 from dflash.precompute.plan import plan_batches  # noqa: E402
 from dflash.precompute.run import PrecomputeConfig, run_precompute  # noqa: E402
 from dflash.shards import open_cache, topk_codec_kl  # noqa: E402

@@ -1,5 +1,6 @@
 """The embedded default, end to end: a DFlash drafter for SmolLM2-135M-Instruct on chitchat
-conversations, on a laptop CPU, in about 15 minutes (`make demo`).
+conversations, on a laptop CPU, in about 15 minutes (`make demo`, which runs
+`python -m demo.run` from the repository root).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
 prepare the target and prompts (demo/prepare.py), `dflash-precompute --regenerate`,
@@ -26,10 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from demo.prepare import chitchat_records, prepare_smollm2
 
-from demo.prepare import chitchat_records, prepare_smollm2  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(kw_only=True)

@@ -20,12 +20,38 @@ tensors in fp32, and autograd differentiates it. The vocabulary pass only has to
 `d_lse * p` is the cross-entropy-like dense part (all of one sign per row: safe to round),
 the sum is the sparse part on at most k' ids. Where p_j and q_j nearly cancel (j in S, a
 well-trained student), the two are added in fp32 before anything is rounded (Liger 1329).
-With tail="bucket", d_lse = Q - q_t P_S / (1 - P_S) and d_zsel = -q + q_t p_S / (1 - P_S),
-the form in ../shared/ANCHORS.md; autograd derives it from `row_losses`, so there is one
-source of truth for both paths. The triton path (`sparse_kl.py`) needs the gradient while a
-chunk's logits are at hand, before autograd runs, so its row kernel computes the same loss
-and this same gradient by hand (formulas in its docstring); the tests hold every path
-against an fp64 autograd ground truth that shares no code with any of them.
+Autograd derives d_lse and d_zsel from `row_losses`, so there is one source of truth for
+both paths. The triton path (`sparse_kl.py`) needs the gradient while a chunk's logits are
+at hand, before autograd runs, so its row kernel computes the same loss and the gradient
+below by hand; the tests hold every path against an fp64 autograd ground truth that shares
+no code with any of them.
+
+The gradient of tail="bucket", derived. One row; teacher probabilities q_i on the id set S,
+Q = sum_S q, tail q_t; student p = softmax(z), P_S = sum_S p, and
+
+    L = sum_{i in S} q_i (log q_i - log p_i) + q_t (log q_t - log(1 - P_S)).
+
+Two derivatives in the logits z_j (j any vocabulary id):
+
+    d log p_i / d z_j = [i = j] - p_j
+    d P_S / d z_j = sum_{i in S} p_i ([i = j] - p_j) = p_j [j in S] - p_j P_S
+    so  d log(1 - P_S) / d z_j = -(p_j [j in S] - p_j P_S) / (1 - P_S)
+
+Hence, with a = q_t / (1 - P_S):
+
+    dL/dz_j = -sum_{i in S} q_i ([i = j] - p_j) + a (p_j [j in S] - p_j P_S)
+            = p_j (Q - a P_S) + [j in S] (a p_j - q_j)
+
+that is, with c = Q - a P_S = Q - q_t P_S / (1 - P_S):
+
+    j not in S:  dL/dz_j = p_j c
+    j in S:      dL/dz_j = p_j (c + a) - q_j
+
+In the split above, d_lse = c (the dense term, through lse) and d_zsel_i = a p_i - q_i (the
+sparse term at slot i, through z_S). When Q + q_t = 1 (q_t = 1 - sum q, the default),
+c + a = Q + a (1 - P_S) = Q + q_t = 1, so at the ids the gradient is p_j - q_j, the plain
+softmax cross-entropy form; a tail given explicitly (`tail_mass`) need not sum to 1 with Q,
+hence the general form. Where 1 - P_S is clamped at TAIL_EPS its gradient is dropped: a = 0.
 
 Implementations here:
 

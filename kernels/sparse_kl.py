@@ -18,7 +18,10 @@ Its gradient in the logits is one dense term plus k' sparse ones:
     renorm:  d_lse = 0, d_slot_i = p_hat_i * sum q_hat - q_hat_i
     CE:      d_lse += ce_weight, d_slot_target = -ce_weight
 
-which is the form in ../shared/ANCHORS.md (p_j - q_j at the ids when Q + q_t = 1).
+The bucket form is derived line by line in `reference.py`'s module docstring: from
+d log p_i / d z_j = [i = j] - p_j and d log(1 - P_S) / d z_j = -p_j ([j in S] - P_S) / (1 - P_S)
+follows dL/dz_j = p_j (Q - a P_S) + [j in S] (a p_j - q_j), which is p_j - q_j at the ids
+when Q + q_t = 1 (then Q - a P_S + a = 1).
 
 How (one chunk of C rows at a time, C = workspace_bytes // (4 V), balanced over N):
 

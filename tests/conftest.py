@@ -36,3 +36,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def synthetic_training_cache(tmp_path_factory):
+    """A synthetic training cache of 8 sequences (40-71 tokens, seed 1) with its target/
+    folder, built once per session; read-only: a test that damages a cache copies it first."""
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    path = tmp_path_factory.mktemp("synthetic-training-cache") / "cache"
+    write_synthetic_training_cache(path, lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

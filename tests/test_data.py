@@ -8,10 +8,10 @@ import json
 
 import numpy as np
 import pytest
-from test_precompute_support import CONVERSATIONS, build_tokenizer, write_jsonl
 
 from dflash.precompute.data import ChatEncoder, RecordError, input_sha256, iter_records, normalize_record
 from dflash.precompute.plan import assign_ranks, plan_batches
+from tests.builders import CONVERSATIONS, build_tokenizer, write_jsonl
 
 EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 

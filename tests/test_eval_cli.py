@@ -25,6 +25,7 @@ from dflash.train.export import load_drafter, load_exported
 from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
+from tests.builders import char_chat_target, char_tokenizer
 
 LAYER_IDS = [1, 3]
 
@@ -46,10 +47,8 @@ def fit_run(cache: Path, out: Path, **overrides) -> Path:
 
 
 @pytest.fixture(scope="module")
-def synthetic_run(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("synthetic")
-    write_synthetic_training_cache(root / "cache", lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
-    return root / "cache", fit_run(root / "cache", root / "run")
+def synthetic_run(synthetic_training_cache, tmp_path_factory) -> tuple[Path, Path]:
+    return synthetic_training_cache, fit_run(synthetic_training_cache, tmp_path_factory.mktemp("synthetic") / "run")
 
 
 def test_offline_eval_scores_the_held_out_sequences(synthetic_run):
@@ -112,26 +111,6 @@ def test_eval_errors_are_usage_errors(tmp_path):
 # --------------------------------------------------------------------------- online
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def char_tokenizer():
-    """A fast character-level tokenizer with ChatML special tokens, built in code."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    vocab.update({c: i + 3 for i, c in enumerate(chars)})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
-                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = CHATML
-    return tokenizer
-
-
 def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, max_new_tokens: int) -> None:
     """A cache of the target's greedy replies to every record's prompt (as stage one's --regenerate)."""
     from dflash.train.evaluate import load_prompts
@@ -172,16 +151,9 @@ def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, ma
 
 @pytest.fixture(scope="module")
 def chat_setup(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     root = tmp_path_factory.mktemp("chat")
     tokenizer = char_tokenizer()
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-        initializer_range=0.2, eos_token_id=2, pad_token_id=0)).eval()
-    target.generation_config.eos_token_id = 2
+    target = char_chat_target(tokenizer)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     words = ["hello", "how are you", "tell me a story", "what is this", "ok", "fine thanks", "why", "no"]

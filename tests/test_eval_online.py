@@ -1,38 +1,26 @@
 """Online speculative decoding against tiny random Hugging Face targets: the output equals the
 target's own `generate(do_sample=False)` token for token, and tau counts what was accepted.
 
-Targets are built from configs in code (no download) with a large initialisation, so their
-logits are far apart and the verify-vs-one-token numerics cannot flip an argmax.
+Targets are built from configs in code (no download, `tiny_causal_lm` in builders.py) with a
+large initialisation, so their logits are far apart and the verify-vs-one-token numerics
+cannot flip an argmax.
 """
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.train.evaluate import Prompt, evaluate_online
-from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.speculative import (
     DrafterProposer,
     greedy_generate,
     speculative_generate,
     target_features,
 )
+from tests.builders import drafter_config, tiny_causal_lm
 
 V, H, NUM_LAYERS = 64, 32, 6
 LAYER_IDS = [1, 3]
-
-
-def tiny_target(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                  initializer_range=0.2)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
-    model.generation_config.repetition_penalty = 1.5  # must not leak into the greedy reference
-    return model.eval()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,20 +29,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def any_target(request):
     """Both architectures (their caches and masks differ inside transformers)."""
-    return tiny_target(request.param)
+    return tiny_causal_lm(request.param)
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target("qwen3")
+    return tiny_causal_lm("qwen3")
 
 
 def untrained_proposer(target, block_size: int) -> DrafterProposer:
     torch.manual_seed(1)
-    config = DrafterConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=LAYER_IDS,
-                           num_target_layers=NUM_LAYERS, block_size=block_size, mask_token_id=V - 1,
-                           initializer_range=0.2)
+    config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
+                            num_target_layers=NUM_LAYERS, block_size=block_size, mask_token_id=V - 1,
+                            initializer_range=0.2)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())
     return DrafterProposer(DFlashDrafter(config, attention="dense"), head)

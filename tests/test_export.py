@@ -19,19 +19,20 @@ from dflash.train.export import (
     write_export,
 )
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache
+from tests.builders import drafter_config
 
-H, V, LAYERS = 32, 50, 3
+H, V, LAYERS = 32, 50, 3  # H: the hidden size of tests.builders.drafter_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_config(**overrides) -> DrafterConfig:
-    values = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=[1, 4, 7],
-                  num_target_layers=10, block_size=8, mask_token_id=V - 2, rms_norm_eps=1e-5,
-                  rope_theta=50_000.0, max_position_embeddings=2048, initializer_range=0.3)
+    """Every field away from its default, so that a field lost on the way shows."""
+    values = dict(num_hidden_layers=LAYERS, vocab_size=V, target_layer_ids=[1, 4, 7], num_target_layers=10,
+                  block_size=8, mask_token_id=V - 2, rms_norm_eps=1e-5, rope_theta=50_000.0,
+                  max_position_embeddings=2048, initializer_range=0.3)
     values.update(overrides)
-    return DrafterConfig(**values)
+    return drafter_config(**values)
 
 
 @pytest.fixture

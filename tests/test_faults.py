@@ -1,8 +1,8 @@
-"""CI-sized fault trials: one seeded trial of each sub-case of bench/faults.py, plus checks
-that the bench's own detectors fire on a planted fault (a detector that cannot fail proves
+"""CI-sized fault trials: one seeded trial of each sub-case of tests/faults/, plus checks that
+the harness's own detectors fire on a planted fault (a detector that cannot fail proves
 nothing).
 
-The full randomised counts come from `python bench/faults.py --trials 20`. A sub-case that
+The full randomised counts come from `python -m tests.faults --trials 20`. A sub-case that
 exposes a bug in the library is marked `xfail(strict=True)` with the finding's name until
 the fix lands (then strict xfail fails and the marker goes).
 """
@@ -19,12 +19,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import faults  # noqa: E402
+from tests.faults import bad_input, corruption, disk_full, fit_kill, harness, numeric, precompute_kill, untrusted
+from tests.faults.workspace import (
+    FinalNameWatcher,
+    Outcome,
+    Workspace,
+    check_cache_file,
+    check_checkpoint,
+    compare_caches,
+    left_checkpoints,
+)
+
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> faults.Workspace:
-    return faults.Workspace(tmp_path_factory.mktemp("faults"), seed=0)
+def ws(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("faults"), seed=0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,7 +43,7 @@ def rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([0, *key])
 
 
-def assert_passed(outcomes: list[faults.Outcome]) -> None:
+def assert_passed(outcomes: list[Outcome]) -> None:
     assert outcomes and all(not o.problems for o in outcomes), [(o.case, o.problems, o.notes) for o in outcomes]
 
 
@@ -56,22 +65,22 @@ def test_a_partial_shard_under_a_final_name_is_caught(ws, tmp_path):
             time.sleep(0.3)
             f.write(data[len(data) // 2:])
 
-    with faults.FinalNameWatcher(cache, lambda r: faults.check_cache_file(cache, r, reference)) as watch:
+    with FinalNameWatcher(cache, lambda r: check_cache_file(cache, r, reference)) as watch:
         writer = threading.Thread(target=write_in_halves)
         writer.start()
         writer.join()
     assert any("differs from the uninterrupted run's" in p for p in watch.problems), watch.problems
-    assert faults.check_cache_file(cache, rel, reference) is None  # complete in the end
+    assert check_cache_file(cache, rel, reference) is None  # complete in the end
 
 
 def test_a_half_written_checkpoint_under_a_final_name_is_caught(ws, tmp_path):
     reference = ws.fit_reference.run
     run = tmp_path / "run"
     shutil.copytree(reference / "checkpoints" / "step-00000004", run / "checkpoints" / "step-00000004")
-    assert faults._left_checkpoints(run, reference) == []
+    assert left_checkpoints(run, reference) == []
     optimizer = run / "checkpoints" / "step-00000004" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
-    assert "does not load" in faults._left_checkpoints(run, reference)[0]
+    assert "does not load" in left_checkpoints(run, reference)[0]
 
 
 def test_a_half_written_checkpoint_seen_while_a_run_writes_is_caught(ws, tmp_path):
@@ -87,30 +96,30 @@ def test_a_half_written_checkpoint_seen_while_a_run_writes_is_caught(ws, tmp_pat
             time.sleep(0.1)
             shutil.copyfile(path, final / path.name)
 
-    watch = faults.FinalNameWatcher(run, lambda rel: faults.check_checkpoint(run, rel.name, reference),
+    watch = FinalNameWatcher(run, lambda rel: check_checkpoint(run, rel.name, reference),
                                     checkpoints=True)
     with watch:
         writer = threading.Thread(target=write_in_halves)
         writer.start()
         writer.join()
     assert watch.opened >= 2 and any("misses a file" in p for p in watch.problems), watch.problems
-    assert faults.check_checkpoint(run, "step-00000004", reference) is None  # complete in the end
+    assert check_checkpoint(run, "step-00000004", reference) is None  # complete in the end
 
 
 def test_a_different_row_is_caught(ws, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(ws.training_cache, cache)
-    assert faults.compare_caches(cache, ws.training_cache) == []
+    assert compare_caches(cache, ws.training_cache) == []
     shutil.rmtree(cache)
     shutil.copytree(ws.foreign_cache, cache)
-    assert faults.compare_caches(cache, ws.training_cache)
+    assert compare_caches(cache, ws.training_cache)
 
 
 # ----------------------------------------------------------------------------- the classes
 
 
 def test_precompute_kill(ws):
-    assert_passed(faults.trial_precompute_kill(ws, rng(0), 0))
+    assert_passed(precompute_kill.trial_precompute_kill(ws, rng(0), 0))
 
 
 @pytest.mark.parametrize("point,step", [
@@ -120,16 +129,16 @@ def test_precompute_kill(ws):
 ])
 def test_fit_kill_inside_a_checkpoint_write(ws, point, step):
     kill_point = {"step": step, "point": point, "fraction": 0.5}
-    trial = faults.KILL_POINTS.index(point) * 100 + step
-    assert_passed(faults.trial_fit_kill(ws, rng(1), trial, kill_point=kill_point))
+    trial = fit_kill.KILL_POINTS.index(point) * 100 + step
+    assert_passed(fit_kill.trial_fit_kill(ws, rng(1), trial, kill_point=kill_point))
 
 
 def test_disk_full_in_stage_one(ws):
-    assert_passed([faults._disk_full_precompute(ws, rng(2), 0)])
+    assert_passed([disk_full.disk_full_precompute(ws, rng(2), 0)])
 
 
 def test_disk_full_in_a_checkpoint_write(ws):
-    assert_passed([faults._disk_full_checkpoint(ws, rng(2), 0)])
+    assert_passed([disk_full.disk_full_checkpoint(ws, rng(2), 0)])
 
 
 CORRUPTIONS = [
@@ -142,7 +151,7 @@ CORRUPTIONS = [
 
 @pytest.mark.parametrize("kind", CORRUPTIONS)
 def test_corruption(ws, tmp_path, kind):
-    assert_passed([faults._corruption_case(ws, rng(3), tmp_path, kind)])
+    assert_passed([corruption.corruption_case(ws, rng(3), tmp_path, kind)])
 
 
 @pytest.mark.parametrize("how", [
@@ -151,30 +160,30 @@ def test_corruption(ws, tmp_path, kind):
     "path changed",
 ])
 def test_manifest_damage(ws, tmp_path, how):
-    assert_passed([faults._corruption_case(ws, rng(4), tmp_path, "manifest damage", manifest_damage=how)])
+    assert_passed([corruption.corruption_case(ws, rng(4), tmp_path, "manifest damage", manifest_damage=how)])
 
 
 def test_bad_input(ws):
-    assert_passed(faults.trial_bad_input(ws, rng(5), 0))
+    assert_passed(bad_input.trial_bad_input(ws, rng(5), 0))
 
 
 def test_numeric_isolated(ws):
-    assert_passed([faults._numeric_isolated(ws, rng(7), 0)])
+    assert_passed([numeric.numeric_isolated(ws, rng(7), 0)])
 
 
 def test_numeric_persistent(ws):
-    assert_passed([faults._numeric_persistent(ws, rng(8), 0)])
+    assert_passed([numeric.numeric_persistent(ws, rng(8), 0)])
 
 
-@pytest.mark.parametrize("kind", faults.UNTRUSTED)
+@pytest.mark.parametrize("kind", untrusted.UNTRUSTED)
 def test_untrusted(ws, tmp_path, kind):
-    assert_passed([faults._untrusted_case(ws, rng(9), tmp_path, kind)])
+    assert_passed([untrusted.untrusted_case(ws, rng(9), tmp_path, kind)])
 
 
 def test_cli_prints_a_table_and_json(ws, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["faults.py", "--classes", "numeric", "--trials", "1",
+    monkeypatch.setattr(sys, "argv", ["tests.faults", "--classes", "numeric", "--trials", "1",
                                       "--workdir", str(ws.root / "cli"), "--json"])
-    faults.main()
+    harness.main()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("fault class") and "numeric" in out[2]
     result = json.loads(out[-1])

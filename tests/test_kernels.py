@@ -2,9 +2,9 @@
 
 Every implementation (naive, torch chunked, triton under TRITON_INTERPRET=1) is checked on
 one odd shape and one round shape, forward and gradients, through the public function.
-The ground truth below materialises float64 logits and uses autograd; it shares no code
-with the package (no clamps, no lse/gather split), so a mistake in `row_losses` or in a
-hand-written backward shows up as a mismatch.
+The ground truth (`truth` in tests/builders.py) materialises float64 logits and uses
+autograd; it shares no code with the package (no clamps, no lse/gather split), so a
+mistake in `row_losses` or in a hand-written backward shows up as a mismatch.
 """
 
 import subprocess
@@ -16,11 +16,9 @@ import torch.nn.functional as F
 
 from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import TritonConfig
+from tests.builders import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
 
 IMPLS = ["naive", "torch", "triton"]
-# (N, H, V, k): odd sizes everywhere (masks, partial tiles and chunks) and a round one.
-SHAPES = {"odd": (37, 48, 1031, 7), "round": (64, 64, 512, 8)}
-
 # Tiles of 128 give V=1031 nine tiles, the last one partial, in each of the row kernel's
 # sweeps; a workspace of 16 rows (fp32 [C, V] for both paths) splits N=37 into three
 # balanced chunks of 13, 13 and 11 rows, and N=64 into four.
@@ -35,68 +33,6 @@ def impl_kwargs(impl: str, v: int) -> dict:
     return {"impl": impl}
 
 
-def row_weights_and_grads(n, g):
-    """Row weights in [0, 2), an upstream gradient with every fourth row zero, and the
-    generator (for further draws), for the reduction="none" tests."""
-    weights = torch.rand(n, generator=g) * 2
-    grad_output = torch.randn(n, generator=g) * 3
-    grad_output[::4] = 0.0
-    return weights, grad_output, g
-
-
-def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
-    """Student hidden/head with logits of std ~logit_std, teacher top-k over random ids with a
-    random tail (the k+1-th class of a softmax)."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).to(dtype)  # [N, H]
-    weight = (torch.randn(v, h, generator=g) * (logit_std / h**0.5)).to(dtype)  # [V, H]
-    ids = torch.rand(n, v, generator=g).argsort(1)[:, :k]  # [N, k] int64, distinct per row
-    logprobs = torch.log_softmax(torch.randn(n, k + 1, generator=g) * 2.0, 1)[:, :k]  # [N, k]
-    return hidden, weight, ids, logprobs
-
-
-def truth(hidden, weight, ids, logprobs, weights=None, *, tail="bucket", reduction="mean",
-          ce_targets=None, ce_weight=0.0):
-    """float64 loss straight from the issue's formula (inputs are upcast exactly)."""
-    logp = (hidden.double() @ weight.double().T).log_softmax(1)  # [N, V] f64
-    lp = logp.gather(1, ids)  # [N, k]
-    lq = logprobs.double()
-    q = lq.exp()
-    if tail == "bucket":
-        q_tail = (1 - q.sum(1)).clamp(min=0)
-        p_tail = 1 - lp.exp().sum(1)
-        row = (q * (lq - lp)).sum(1) + torch.special.xlogy(q_tail, q_tail) - q_tail * p_tail.log()
-    else:
-        q_hat = q / q.sum(1, keepdim=True)
-        p_hat = lp.exp() / lp.exp().sum(1, keepdim=True)
-        row = (q_hat * (q_hat.log() - p_hat.log())).sum(1)
-    if ce_weight:
-        row = row - ce_weight * logp.gather(1, ce_targets[:, None]).squeeze(1)
-    w = torch.ones(len(row), dtype=torch.float64) if weights is None else weights.double()
-    row = w * row
-    if reduction == "none":
-        return row
-    return row.sum() if reduction == "sum" else row.sum() / w.sum()
-
-
-def loss_and_grads(fn, hidden, weight, grad_weight=False, grad_output=None):
-    """Run fn(hidden, weight) with fresh leaves; return (loss, d_hidden, d_weight or None)."""
-    x = hidden.detach().clone().requires_grad_(True)
-    w = weight.detach().clone().requires_grad_(grad_weight)
-    loss = fn(x, w)
-    loss.backward(grad_output)
-    return loss.detach(), x.grad, (w.grad if grad_weight else None)
-
-
-def rel_err(a, b):
-    """max |a - b| / max |b|: one scalar per tensor, insensitive to tiny entries."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
-# fp32 paths against fp64: fp32 logits over H <= 64 terms are good to ~1e-6 relative, and
-# the loss's exp/log and the k-term sums lose at most a decade more; 1e-4 is a margin that
-# still catches any wrong term (those are O(1) relative).
-FP32_TOL = 1e-4
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -5,18 +5,18 @@ import pytest
 import torch
 
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
+from tests.builders import drafter_config
 
 B = 4  # block size
 L = 3  # target features
-H = 32
+H = 32  # the hidden size of tests.builders.drafter_config
 
 
 def tiny_config(**overrides) -> DrafterConfig:
-    fields = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=50, target_layer_ids=[0, 2, 4],
-                  num_target_layers=6, block_size=B, mask_token_id=49, rope_theta=10000.0)
+    fields = dict(num_hidden_layers=2, vocab_size=50, target_layer_ids=[0, 2, 4], num_target_layers=6,
+                  block_size=B, mask_token_id=49, rope_theta=10000.0)
     fields.update(overrides)
-    return DrafterConfig(**fields)
+    return drafter_config(**fields)
 
 
 # Two sequences; blocks at 3 and 5 overlap (positions 5, 6), as random anchors do.

@@ -13,22 +13,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from test_precompute_support import CONVERSATIONS, build_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.precompute.cli import main
 from dflash.precompute.data import ChatEncoder, normalize_record
-from dflash.precompute.run import PrecomputeConfig, _build_spec, run_precompute
+from dflash.precompute.run import _build_spec, run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.codecs import topk_kl
-
-RECORDS = [{"messages": c} for c in CONVERSATIONS] + [
-    {"prompt": "What is the capital of France?", "response": "Paris is the capital."},
-    {"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hello there!"}]},
-    {"text": "The quick brown fox jumps over the lazy dog."},
-]
-
+from tests.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,12 +35,6 @@ def targets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", RECORDS)
-
-
-def config(target, data, out, **overrides) -> PrecomputeConfig:
-    options = dict(target=target, data=[data], out=out, top_k=8, num_feature_layers=3,
-                   batch_tokens=300, shard_max_rows=3, device="cpu", progress=False)
-    return PrecomputeConfig(**{**options, **overrides})
 
 
 def reference(model, input_ids: np.ndarray, layer_ids: list[int], top_k: int):
@@ -74,9 +61,9 @@ def test_cache_holds_what_a_direct_forward_computes(targets, data, tmp_path, cas
     kind, layer_ids, feature_codec, topk_codec, dtype = CASES[case]
     # In bf16 the rounding depends on the batch's shape: one sequence per batch there.
     batch_tokens = 1 if dtype == "bfloat16" else 300
-    summary = run_precompute(config(targets[kind], data, tmp_path / "cache", feature_layers=layer_ids,
-                                    feature_codec=feature_codec, topk_codec=topk_codec, dtype=dtype,
-                                    batch_tokens=batch_tokens))
+    summary = run_precompute(precompute_config(targets[kind], data, tmp_path / "cache", feature_layers=layer_ids,
+                                               feature_codec=feature_codec, topk_codec=topk_codec, dtype=dtype,
+                                               batch_tokens=batch_tokens))
     cache = open_cache(tmp_path / "cache")
     assert len(cache) == summary.num_sequences == len(RECORDS)
     assert summary.rejected == {}
@@ -167,7 +154,7 @@ def test_bad_records_are_rejected_with_reasons(targets, tmp_path):
     records = RECORDS[:2] + ["{broken", {"messages": [{"role": "user", "content": "no reply"}]},
                              {"prompt": "q"}, {"nothing": 1}, RECORDS[2]]
     path = write_jsonl(tmp_path / "mixed.jsonl", records)
-    summary = run_precompute(config(targets["qwen3"], path, tmp_path / "cache"))
+    summary = run_precompute(precompute_config(targets["qwen3"], path, tmp_path / "cache"))
     rejected = [json.loads(line) for line in (tmp_path / "cache" / "rejected.jsonl").read_text().splitlines()]
     assert [(r["index"], r["reason"].split(":")[0]) for r in rejected] == [
         (2, "invalid JSON"), (3, "conversation has no assistant turn"),
@@ -178,13 +165,13 @@ def test_bad_records_are_rejected_with_reasons(targets, tmp_path):
     assert len(cache) + len(rejected) == len(records)
     assert sum(summary.rejected.values()) == 4 and summary.num_sequences == 3
     with pytest.raises(ValueError, match=r"mixed.jsonl record 2: invalid JSON.*--strict"):
-        run_precompute(config(targets["qwen3"], path, tmp_path / "strict", strict=True))
+        run_precompute(precompute_config(targets["qwen3"], path, tmp_path / "strict", strict=True))
 
 
 def test_truncation_is_counted_and_overlong_prompts_rejected(targets, data, tmp_path):
     # With the ChatML tiny tokenizer the records render to 59, 109, 56, 130, 60, 49 and 30
     # tokens; record 3's first reply token is at position 84.
-    summary = run_precompute(config(targets["qwen3"], data, tmp_path / "cache", max_length=50))
+    summary = run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "cache", max_length=50))
     cache = open_cache(tmp_path / "cache")
     assert sorted(cache.lengths.tolist()) == [30, 49, 50, 50, 50, 50]
     assert summary.truncated == 4
@@ -194,8 +181,8 @@ def test_truncation_is_counted_and_overlong_prompts_rejected(targets, data, tmp_
 
 def test_regeneration_caches_the_targets_greedy_replies(targets, data, tmp_path):
     max_new = 6
-    summary = run_precompute(config(targets["qwen3"], data, tmp_path / "cache", regenerate=True,
-                                    max_new_tokens=max_new, limit=2))
+    summary = run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "cache", regenerate=True,
+                                               max_new_tokens=max_new, limit=2))
     cache = open_cache(tmp_path / "cache")
     assert cache.spec.regenerated and cache.spec.generation_temperature == 0.0
     model = AutoModelForCausalLM.from_pretrained(targets["qwen3"], dtype=torch.float32).eval()
@@ -253,15 +240,15 @@ def test_sampled_generation_is_seeded(targets):
 
 def test_rerun_resumes_refuses_other_configurations_and_overwrites(targets, data, tmp_path):
     out = tmp_path / "cache"
-    first = run_precompute(config(targets["qwen3"], data, out, limit=4))
+    first = run_precompute(precompute_config(targets["qwen3"], data, out, limit=4))
     assert first.written_sequences == 4
-    again = run_precompute(config(targets["qwen3"], data, out, limit=4))
+    again = run_precompute(precompute_config(targets["qwen3"], data, out, limit=4))
     assert again.already_complete and again.written_sequences == 0
-    extended = run_precompute(config(targets["qwen3"], data, out, limit=6))  # options differ: continue
+    extended = run_precompute(precompute_config(targets["qwen3"], data, out, limit=6))  # options differ: continue
     assert extended.written_sequences == 2 and extended.num_sequences == 6
     with pytest.raises(ValueError, match=r"top_k.*--overwrite"):
-        run_precompute(config(targets["qwen3"], data, out, top_k=4))
-    replaced = run_precompute(config(targets["qwen3"], data, out, top_k=4, overwrite=True))
+        run_precompute(precompute_config(targets["qwen3"], data, out, top_k=4))
+    replaced = run_precompute(precompute_config(targets["qwen3"], data, out, top_k=4, overwrite=True))
     assert replaced.num_sequences == len(RECORDS) and open_cache(out).spec.top_k == 4
 
 
@@ -271,9 +258,9 @@ def test_a_partial_cache_of_another_configuration_is_refused(targets, data, tmp_
     out = tmp_path / "cache"
     target = Target(targets["qwen3"], layer_ids=None, num_feature_layers=3, top_k=8,
                     device=torch.device("cpu"), dtype=torch.float32, trust_remote_code=False)
-    CacheWriter(out, _build_spec(config(targets["qwen3"], data, out, top_k=8), target, 1)).abort()
+    CacheWriter(out, _build_spec(precompute_config(targets["qwen3"], data, out, top_k=8), target, 1)).abort()
     with pytest.raises(ValueError, match=r"different configuration.*--overwrite"):
-        run_precompute(config(targets["qwen3"], data, out, top_k=5))
+        run_precompute(precompute_config(targets["qwen3"], data, out, top_k=5))
 
 
 @pytest.mark.parametrize("problem, match", [
@@ -292,7 +279,7 @@ def test_target_problems_are_clear_errors_before_any_work(targets, data, tmp_pat
         (target / "config.json").write_text(json.dumps({"model_type": "vit"}))
     layers = {"layers": [1, 9], "last-layer": [1, 5]}.get(problem)
     with pytest.raises(ValueError, match=match):
-        run_precompute(config(target, data, tmp_path / "cache", feature_layers=layers))
+        run_precompute(precompute_config(target, data, tmp_path / "cache", feature_layers=layers))
     assert not (tmp_path / "cache" / "shards").exists()
 
 
@@ -300,7 +287,7 @@ def test_out_directory_that_is_not_a_cache_is_refused(targets, data, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="not a dflash cache"):
-        run_precompute(config(targets["qwen3"], data, tmp_path / "mine", overwrite=True))
+        run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "mine", overwrite=True))
     assert (tmp_path / "mine" / "notes.txt").exists()
 
 
@@ -339,7 +326,7 @@ def test_cli_prints_the_summary_and_reports_errors(targets, data, tmp_path):
 def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):
     from transformers import Gemma2Config
 
-    from test_precompute_support import VOCAB_SIZE, build_tokenizer
+    from tests.builders import VOCAB_SIZE, build_tokenizer
 
     tokenizer = build_tokenizer("chatml")
     gemma = Gemma2Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -362,7 +349,7 @@ def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):
 
 
 def test_overwrite_keeps_the_old_cache_when_the_target_is_wrong(targets, data, tmp_path):
-    run_precompute(config(targets["qwen3"], data, tmp_path / "cache", limit=2))
+    run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "cache", limit=2))
     with pytest.raises(ValueError, match="no such directory"):
-        run_precompute(config(tmp_path / "typo", data, tmp_path / "cache", overwrite=True))
+        run_precompute(precompute_config(tmp_path / "typo", data, tmp_path / "cache", overwrite=True))
     assert len(open_cache(tmp_path / "cache")) == 2

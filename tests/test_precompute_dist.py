@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_precompute import RECORDS, config
-from test_precompute_support import build_target, write_jsonl
 
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
+from tests.builders import RECORDS, build_target, precompute_config, write_jsonl
 
 # Subprocesses run on one thread each: results are then bitwise reproducible across
 # processes, and two ranks share the CI's two cores.
@@ -63,7 +62,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(target, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "cache"
-    run_precompute(config(target, data, out, shard_max_rows=2))
+    run_precompute(precompute_config(target, data, out, shard_max_rows=2))
     return open_cache(out)
 
 
@@ -87,7 +86,7 @@ def assert_same_values(cache, reference) -> None:
 
 
 def test_two_spawned_ranks_equal_one_rank(target, data, tmp_path, one_rank):
-    summary = run_precompute(config(target, data, tmp_path / "cache", shard_max_rows=2, nproc=2))
+    summary = run_precompute(precompute_config(target, data, tmp_path / "cache", shard_max_rows=2, nproc=2))
     cache = open_cache(tmp_path / "cache")
     assert summary.world_size == 2 and cache.manifest["world_size"] == 2
     assert {s["rank"] for s in cache.manifest["shards"]} == {0, 1}
@@ -112,12 +111,12 @@ def test_one_ranks_failure_is_an_error_on_every_rank(target, data, tmp_path):
     # --strict: the broken record (position 4) is scanned by rank 0 of 2 and fails there;
     # rank 1 must not wait forever for it.
     with pytest.raises(ValueError, match=r"chat.jsonl record 4: invalid JSON.*--strict"):
-        run_precompute(config(target, data, tmp_path / "cache", nproc=2, strict=True,
-                              dist_timeout_s=120))
+        run_precompute(precompute_config(target, data, tmp_path / "cache", nproc=2, strict=True,
+                                         dist_timeout_s=120))
 
 
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(target, data, tmp_path, one_rank):
-    options = dataclasses.asdict(config(target, data, tmp_path / "cache", shard_max_rows=2))
+    options = dataclasses.asdict(precompute_config(target, data, tmp_path / "cache", shard_max_rows=2))
     options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
     options["data"] = [str(p) for p in options["data"]]
     killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "5"], env=ENV,
@@ -128,7 +127,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(target, data, tmp_path, 
     assert sorted(p.name for p in shards.glob("*.arrow")) == ["rank00000-00000.arrow", "rank00000-00001.arrow"]
     assert list(shards.glob("*.tmp"))  # the open shard died half-written
 
-    summary = run_precompute(config(target, data, tmp_path / "cache", shard_max_rows=2))
+    summary = run_precompute(precompute_config(target, data, tmp_path / "cache", shard_max_rows=2))
     assert summary.resumed_sequences == 5  # 4 rows in sealed shards + the reject sealed with them
     assert summary.written_sequences == len(RECORDS) - 4
     cache = open_cache(tmp_path / "cache")

@@ -1,0 +1,288 @@
+"""Builders shared by the tests and the fault trials (tests/faults/); this file holds no tests.
+
+- Tokenizers and targets, no download: a byte-level BPE trained in code on a few sentences
+  and wrapped in a PreTrainedTokenizerFast with a ChatML (Qwen-style) or Llama-3-style chat
+  template, and a character-level one with ChatML specials; targets are a Qwen3 and a Llama
+  with tied embeddings built from configs with random weights (saved with
+  `save_pretrained`, or in memory).
+- Records and stage one: chat conversations, JSONL files, a small PrecomputeConfig.
+- Drafters: DrafterConfig with the tiny shared dimensions.
+- Loss kernels: random problems for `sparse_kl_loss` and the float64 ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Llama 3 trims the content and starts with the BOS token.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>"]
+
+CORPUS = [
+    "Hello there! How are you doing today?",
+    "I am fine, thank you. The weather is nice and sunny.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Tell me a short story about a cat who likes to read books.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "The quick brown fox jumps over the lazy dog again and again.",
+    "You are a helpful assistant. system user assistant",
+]
+
+VOCAB_SIZE = 320
+
+
+def build_tokenizer(style: str):
+    """A byte-level BPE tokenizer (round-trips any text) with a chat template of `style`
+    ("chatml" or "llama3")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = CHATML_SPECIALS if style == "chatml" else LLAMA3_SPECIALS
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    if style == "chatml":
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            chat_template=CHATML_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>", chat_template=LLAMA3_TEMPLATE)
+
+
+def build_target(kind: str, path: Path) -> Path:
+    """Save a tiny random target of `kind` ("qwen3" with a ChatML tokenizer, or "llama" with
+    tied embeddings and a Llama-3 tokenizer) into `path`; returns `path`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    tokenizer = build_tokenizer("chatml" if kind == "qwen3" else "llama3")
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=6 if kind == "qwen3" else 4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id)
+    if kind == "qwen3":
+        config = Qwen3Config(head_dim=8, tie_word_embeddings=False, **common)
+    else:
+        config = LlamaConfig(tie_word_embeddings=True, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: peaked, varied distributions
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    if kind == "qwen3":  # like the real Qwen3: sampling defaults that greedy regeneration must override
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig(
+            do_sample=True, temperature=0.6, top_k=20, top_p=0.95,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there!"},
+     {"role": "assistant", "content": "I am fine, thank you."}],
+    [{"role": "system", "content": "You are a cat."},
+     {"role": "user", "content": "Tell me a short story."},
+     {"role": "assistant", "content": "The cat likes to read books."},
+     {"role": "user", "content": "And then?"},
+     {"role": "assistant", "content": " The quick brown fox jumps. "}],
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "Paris."}],
+    [{"role": "user", "content": "Numbers: 1 2 3 4 5 6 7 8 9 10 100 1000 and more numbers please"},
+     {"role": "assistant", "content": "0 1 2 3 4 5 6 7 8 9 10 100 1000. Again: 0 1 2 3 4 5 6 7."}],
+]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """Write records (dicts, or raw strings for deliberately broken lines) as JSONL."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return path
+
+
+# Every record shape stage one reads: messages, prompt + response, conversations, text.
+RECORDS = [{"messages": c} for c in CONVERSATIONS] + [
+    {"prompt": "What is the capital of France?", "response": "Paris is the capital."},
+    {"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hello there!"}]},
+    {"text": "The quick brown fox jumps over the lazy dog."},
+]
+
+
+def precompute_config(target, data, out, **overrides):
+    """A PrecomputeConfig for the tiny targets: top-8, 3 feature layers, 3-row shards, CPU."""
+    from dflash.precompute.run import PrecomputeConfig
+
+    options = dict(target=target, data=[data], out=out, top_k=8, num_feature_layers=3,
+                   batch_tokens=300, shard_max_rows=3, device="cpu", progress=False)
+    return PrecomputeConfig(**{**options, **overrides})
+
+
+# --------------------------------------------------------------------------- tiny models in memory
+
+
+def tiny_causal_lm(kind: str, *, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 6):
+    """A random Qwen3 ("qwen3") or Llama with tied embeddings ("llama"), in eval mode, with a
+    large initialisation (logits far apart: verify-vs-one-token numerics cannot flip an
+    argmax) and a repetition penalty in its generation config that greedy references must
+    not pick up."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=512, initializer_range=0.2)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    model.generation_config.repetition_penalty = 1.5  # must not leak into the greedy reference
+    return model.eval()
+
+
+CHAR_CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer():
+    """A fast character-level tokenizer with ChatML special tokens (ids 0-2: <|endoftext|>,
+    <|im_start|>, <|im_end|>), built in code."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(chars)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHAR_CHATML_TEMPLATE
+    return tokenizer
+
+
+def char_chat_target(tokenizer):
+    """A random 6-layer Qwen3 over `char_tokenizer()`'s vocabulary that stops at <|im_end|> (2)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        initializer_range=0.2, eos_token_id=2, pad_token_id=0)).eval()
+    target.generation_config.eos_token_id = 2
+    return target
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+def drafter_config(**fields):
+    """A DrafterConfig with the tests' tiny dimensions (hidden 32, intermediate 48, 4 heads of
+    8, 2 KV heads); `fields` gives the rest (vocabulary, layers, target layers, block...)."""
+    from dflash.train.model import DrafterConfig
+
+    dims = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return DrafterConfig(**{**dims, **fields})
+
+
+# --------------------------------------------------------------------------- loss kernels
+
+# (N, H, V, k): odd sizes everywhere (masks, partial tiles and chunks) and a round one.
+SHAPES = {"odd": (37, 48, 1031, 7), "round": (64, 64, 512, 8)}
+
+# fp32 paths against fp64: fp32 logits over H <= 64 terms are good to ~1e-6 relative, and
+# the loss's exp/log and the k-term sums lose at most a decade more; 1e-4 is a margin that
+# still catches any wrong term (those are O(1) relative).
+FP32_TOL = 1e-4
+
+
+def row_weights_and_grads(n, g):
+    """Row weights in [0, 2), an upstream gradient with every fourth row zero, and the
+    generator (for further draws), for the reduction="none" tests."""
+    weights = torch.rand(n, generator=g) * 2
+    grad_output = torch.randn(n, generator=g) * 3
+    grad_output[::4] = 0.0
+    return weights, grad_output, g
+
+
+def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
+    """Student hidden/head with logits of std ~logit_std, teacher top-k over random ids with a
+    random tail (the k+1-th class of a softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)  # [N, H]
+    weight = (torch.randn(v, h, generator=g) * (logit_std / h**0.5)).to(dtype)  # [V, H]
+    ids = torch.rand(n, v, generator=g).argsort(1)[:, :k]  # [N, k] int64, distinct per row
+    logprobs = torch.log_softmax(torch.randn(n, k + 1, generator=g) * 2.0, 1)[:, :k]  # [N, k]
+    return hidden, weight, ids, logprobs
+
+
+def truth(hidden, weight, ids, logprobs, weights=None, *, tail="bucket", reduction="mean",
+          ce_targets=None, ce_weight=0.0):
+    """float64 loss straight from the formula in kernels/sparse_kl.py's docstring (inputs are
+    upcast exactly)."""
+    logp = (hidden.double() @ weight.double().T).log_softmax(1)  # [N, V] f64
+    lp = logp.gather(1, ids)  # [N, k]
+    lq = logprobs.double()
+    q = lq.exp()
+    if tail == "bucket":
+        q_tail = (1 - q.sum(1)).clamp(min=0)
+        p_tail = 1 - lp.exp().sum(1)
+        row = (q * (lq - lp)).sum(1) + torch.special.xlogy(q_tail, q_tail) - q_tail * p_tail.log()
+    else:
+        q_hat = q / q.sum(1, keepdim=True)
+        p_hat = lp.exp() / lp.exp().sum(1, keepdim=True)
+        row = (q_hat * (q_hat.log() - p_hat.log())).sum(1)
+    if ce_weight:
+        row = row - ce_weight * logp.gather(1, ce_targets[:, None]).squeeze(1)
+    w = torch.ones(len(row), dtype=torch.float64) if weights is None else weights.double()
+    row = w * row
+    if reduction == "none":
+        return row
+    return row.sum() if reduction == "sum" else row.sum() / w.sum()
+
+
+def loss_and_grads(fn, hidden, weight, grad_weight=False, grad_output=None):
+    """Run fn(hidden, weight) with fresh leaves; return (loss, d_hidden, d_weight or None)."""
+    x = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(grad_weight)
+    loss = fn(x, w)
+    loss.backward(grad_output)
+    return loss.detach(), x.grad, (w.grad if grad_weight else None)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|: one scalar per tensor, insensitive to tiny entries."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
