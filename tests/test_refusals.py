@@ -143,7 +143,7 @@ def test_eval_target_and_prompts_need_online(tmp_path):
 
 
 def test_eval_every_without_held_out_set_warns(synthetic_training_cache, tmp_path):
-    result = CliRunner(mix_stderr=False).invoke(train_main, [
+    result = CliRunner().invoke(train_main, [
         "fit", "--cache", str(synthetic_training_cache), "--out", str(tmp_path / "run"), *FIT[:-3],
         "--eval-every", "1", "--eval-fraction", "0", "--no-wandb"])
     assert result.exit_code == 0, result.output
@@ -246,3 +246,49 @@ def test_resume_says_from_which_checkpoint(synthetic_training_cache, tmp_path):
     result = runner.invoke(train_main, args)  # the run is complete: it resumes at its last step
     assert result.exit_code == 0, result.output
     assert "resuming from" in result.output and "(step 2)" in result.output
+
+
+# --------------------------------------------------------------------------- 9. export, Ctrl-C
+
+
+def test_export_card_and_unwritable_out(synthetic_training_cache, tmp_path):
+    from dflash.train.export import _evaluation_lines
+
+    runner = CliRunner()
+    run = tmp_path / "run"
+    result = runner.invoke(train_main, ["fit", "--cache", str(synthetic_training_cache), "--out", str(run),
+                                        *FIT[:-3], "--eval-every", "1", "--eval-fraction", "0.25", "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(train_main, ["export", "--run", str(run), "--out", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "Shape: 1 Qwen3-style layer," in card
+    assert "Not measured" not in card and "Held-out tau during training" in card and "at step 2" in card
+    lines = "\n".join(_evaluation_lines({"acceptance_length": 1.5, "num_anchors": 6, "num_sequences": 1}))
+    assert "6 anchors of 1 sequence |" in lines
+    result = runner.invoke(train_main, ["export", "--run", str(run), "--out", "/proc/x"])
+    assert_one_line_error(result, "/proc")
+
+
+def test_ctrl_c_says_where_to_resume(synthetic_training_cache, tmp_path, monkeypatch, capsys):
+    from dflash.train import fit as fit_module
+
+    log_step = fit_module._log_step
+
+    def interrupt_at_step_2(run, record, always_print):
+        log_step(run, record, always_print)
+        if run.step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fit_module, "_log_step", interrupt_at_step_2)
+    config = FitConfig.from_dict({"cache": [str(synthetic_training_cache)], "out": str(tmp_path / "run"),
+                                  "num_layers": 1, "block_size": 4, "anchors_per_seq": 6, "epochs": 1,
+                                  "max_steps": 3, "tokens_per_step": 96, "eval_every": 0, "wandb": False,
+                                  "checkpoint_every": 1})
+    with pytest.raises(KeyboardInterrupt):
+        fit_module.fit(config)
+    err = capsys.readouterr().err
+    assert "interrupted after step 2" in err and "resume from step-00000002" in err
+    assert (tmp_path / "run" / "config.json").exists()  # a run that made steps is kept
+    with RunLock(tmp_path / "run"):  # and its lock was released
+        pass
