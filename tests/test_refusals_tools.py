@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    return build_target("llama", tmp_path_factory.mktemp("target") / "llama")
+    return build_target("qwen3", tmp_path_factory.mktemp("target") / "qwen3")
 
 
 def first_line(output: str) -> str:
@@ -65,7 +65,7 @@ def test_precompute_cli_empty_input_is_one_line_and_ignored_flags_warn(target, t
     data = write_jsonl(tmp_path / "in.jsonl", [])
     result = CliRunner().invoke(precompute_main, [
         "--target", str(target), "--data", str(data), "--out", str(tmp_path / "cache"), "--device", "cpu",
-        "--temperature", "0.7", "--no-progress"])
+        "--num-feature-layers", "3", "--temperature", "0.7", "--no-progress"])
     assert result.exit_code == 1
     assert "--temperature has no effect without --regenerate" in result.stderr
     assert "Error: no record was read" in result.stderr and "Traceback" not in result.stderr
@@ -114,7 +114,8 @@ def test_info_size_counts_target_and_histogram_closes_its_last_bin(cache_dir, tm
     info = json.loads(CliRunner().invoke(shards_main, ["info", str(cache), "--json"]).output)
     assert info["target_dir_bytes"] >= 3 * 2**20
     text = CliRunner().invoke(shards_main, ["info", str(cache)]).output
-    shown = float(text.split("size")[1].split("MiB")[0].replace(",", ""))
+    size_line = next(line for line in text.splitlines() if line.startswith("size"))
+    shown = float(size_line.split()[1].replace(",", ""))
     assert shown == pytest.approx((info["total_bytes"] + info["target_dir_bytes"]) / 2**20, abs=0.1)
     stats = CliRunner().invoke(shards_main, ["stats", str(cache)]).output
     bins = [line for line in stats.splitlines() if line.strip().startswith("[")]
