@@ -393,8 +393,12 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         target = TargetInfo.load(Path(caches[0]) / "target")
         token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step))
-    return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
-                        token_ids=token_ids, card=card)
+    try:
+        return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
+                            token_ids=token_ids, card=card)
+    except OSError as error:
+        raise OSError(f"--out {out}: cannot write the export there ({error.strerror or error}); choose a "
+                      f"folder in a writable place") from error
 
 
 @click.command("export", cls=DflashCommand)
