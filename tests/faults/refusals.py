@@ -86,8 +86,9 @@ def trial_wrong_target(ws: Workspace, rng: np.random.Generator, trial: int,
     if child.wait() != 0:
         return [Outcome(case=case, problems=[f"the first fit failed: {child.output[-600:]}"])]
     if case == "resume on another target":
+        # The run's cache folder rebuilt from another target (same path, same config).
         before = _tree(root / "run")
-        args[1] = str(b)
+        shutil.copy2(b / "target" / "target.json", a / "target" / "target.json")
         child = ws.launch("fit", args)
         if child.wait() == 0:
             outcome.problems.append("the run resumed on another target's cache")

@@ -477,7 +477,7 @@ class Workspace:
     def fit_config(self, cache: Path, out: Path, **overrides):
         from dflash.train.config import FitConfig
 
-        return FitConfig(cache=[str(cache)], out=str(out), **{**FIT_OPTIONS, **overrides})
+        return FitConfig.from_dict({"cache": [str(cache)], "out": str(out), **FIT_OPTIONS, **overrides})
 
     @cached_property
     def clean_fit_weights(self) -> dict:
