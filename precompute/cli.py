@@ -10,6 +10,10 @@ import click
 
 from dflash.precompute.regenerate_cli import parse_template_kwargs
 from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.shards.commands import DflashCommand, version_option
+
+# Options that only --regenerate uses: given without it, they have no effect.
+_REGENERATE_ONLY = ("max_new_tokens", "temperature", "seed")
 
 
 def _layer_ids(ctx, param, value: str) -> list[int] | None:
@@ -21,7 +25,8 @@ def _layer_ids(ctx, param, value: str) -> list[int] | None:
         raise click.BadParameter(f"expected 'auto' or comma-separated layer ids like 1,9,17, got {value!r}")
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@version_option
 @click.option("--target", type=click.Path(path_type=str), required=True,
               help="Hugging Face causal-LM directory.")
 @click.option("--data", type=click.Path(path_type=str), multiple=True, required=True,
@@ -60,10 +65,14 @@ def main(as_json: bool, **options) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # one progress bar: ours
-    try:
-        config = PrecomputeConfig(**options)
-        summary = run_precompute(config)
-    except (ValueError, OSError) as error:  # bad options or inputs; a full or missing disk
-        raise click.ClickException(str(error)) from None
+    if not options["regenerate"]:
+        ctx = click.get_current_context()
+        for name in _REGENERATE_ONLY:
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                click.echo(f"Warning: --{name.replace('_', '-')} has no effect without --regenerate", err=True)
+    # ValueError (bad options or inputs) and OSError (a full or missing disk) are one-line
+    # errors (DflashCommand).
+    config = PrecomputeConfig(**options)
+    summary = run_precompute(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the summary
         click.echo(json.dumps(summary.to_dict()) if as_json else summary.format())

@@ -260,11 +260,28 @@ def run_precompute(config: PrecomputeConfig) -> PrecomputeSummary:
     if env_world > 1:
         if config.nproc > 1:
             raise ValueError("--nproc spawns local workers; under torchrun leave it at 1")
-        return _worker_main(config, rank=int(os.environ["RANK"]), world_size=env_world,
-                            local_rank=int(os.environ.get("LOCAL_RANK", "0")), init_method="env://")
-    if config.nproc == 1:
-        return _worker_main(config, rank=0, world_size=1, local_rank=0, init_method=None)
-    return _spawn(config)
+        summary = _worker_main(config, rank=int(os.environ["RANK"]), world_size=env_world,
+                               local_rank=int(os.environ.get("LOCAL_RANK", "0")), init_method="env://")
+    elif config.nproc == 1:
+        summary = _worker_main(config, rank=0, world_size=1, local_rank=0, init_method=None)
+    else:
+        summary = _spawn(config)
+    _check_not_empty(config, summary)
+    return summary
+
+
+def _check_not_empty(config: PrecomputeConfig, summary: PrecomputeSummary) -> None:
+    """A cache without a sequence is a failure, not a result (fit would have nothing to read)."""
+    if summary.num_sequences:
+        return
+    num_rejected = sum(summary.rejected.values())
+    where = ", ".join(str(p) for p in config.data)
+    if not num_rejected:
+        raise ValueError(f"no record was read from --data {where}: the input is empty (or --limit cut "
+                         f"everything); give a file with chat records")
+    reasons = "; ".join(f"{n} {reason}" for reason, n in sorted(summary.rejected.items(), key=lambda kv: -kv[1])[:3])
+    raise ValueError(f"no sequence was written: {num_rejected} record(s) read from --data {where}, all rejected "
+                     f"({reasons}); each record's reason is in {config.out / 'rejected.jsonl'}")
 
 
 def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:

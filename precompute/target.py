@@ -17,6 +17,7 @@ mates (up to the reduction order of the matmuls). Generation left-pads, as decod
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 
 from dflash.shards import TargetInfo, default_layer_ids
 from dflash.shards.files import atomic_dir
+from dflash.shards.fingerprint import target_fingerprint
 
 # fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
 TOPK_CHUNK_BYTES = 2**28
@@ -120,7 +122,31 @@ def check_target_dir(path: Path, trust_remote_code: bool) -> Any:
             f"--target {path}: model_type {config.model_type!r} is not a causal language model "
             f"that AutoModelForCausalLM can load{hint}"
         )
+    _check_causal_architecture(path, config)
     return config
+
+
+# Architecture name endings of models with a language-modelling head over the vocabulary.
+_CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _check_causal_architecture(path: Path, config: Any) -> None:
+    """Refuse a folder whose config.json names only architectures without a causal-LM head
+    (a saved `BertModel` has a causal-LM model_type but no head: loading it would initialise
+    one at random). A config that names no architecture is let through."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        return
+    known = {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for name in ((value,) if isinstance(value, str) else value)}
+    if not any(name in known or name.endswith(_CAUSAL_LM_SUFFIXES) for name in architectures):
+        raise ValueError(
+            f"--target {path}: config.json names architecture {', '.join(architectures)}, which is not a "
+            "causal LM; a causal language model (*ForCausalLM) is required: save the model with its "
+            "language-modelling head (e.g. AutoModelForCausalLM.save_pretrained)"
+        )
 
 
 def resolve_layer_ids(layer_ids: list[int] | None, num_feature_layers: int, num_layers: int,
@@ -297,8 +323,14 @@ class Target:
             "model_type": self.config.model_type,
             "num_layers": self.num_layers,
             "config_sha256": file_sha256([self.path / "config.json"]),
+            "fingerprint": self.fingerprint,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
+
+    @functools.cached_property
+    def fingerprint(self) -> str | None:
+        """The fingerprint of the weights this target loaded (dflash.shards.fingerprint)."""
+        return target_fingerprint(self.path)
 
     def tokenizer_sha256(self) -> str:
         return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
@@ -327,6 +359,7 @@ class Target:
             rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
             rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
             dtype=str(self.dtype).removeprefix("torch."),
+            fingerprint=self.fingerprint,
         )
         with atomic_dir(out) as tmp:
             self.config.save_pretrained(tmp)

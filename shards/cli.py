@@ -12,6 +12,7 @@ import sys
 import click
 
 from dflash.shards import report
+from dflash.shards.commands import DflashGroup, version_option
 from dflash.shards.reader import verify_cache
 
 CACHE = click.argument("cache", type=click.Path(exists=True, file_okay=False))
@@ -19,14 +20,16 @@ AS_JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON o
 
 
 def _run(function, *args, **kwargs):
-    """Call `function`, turning the library's user errors into clean CLI errors."""
+    """Call `function`, turning an out-of-range row into a clean CLI error (ValueError and
+    OSError are the group's: one line)."""
     try:
         return function(*args, **kwargs)
-    except (ValueError, IndexError) as error:
+    except IndexError as error:
         raise click.ClickException(str(error)) from error
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=DflashGroup)
+@version_option
 def main() -> None:
     """Inspect and verify dflash target caches (see FORMAT.md in dflash.shards)."""
 
@@ -55,11 +58,13 @@ def show(cache: str, row: int, positions: str | None, top: int, as_json: bool) -
 @main.command()
 @CACHE
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the statistics to this PNG.")
-@click.option("--max-sequences", default=1000, show_default=True,
+@click.option("--max-sequences", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Top-k statistics read this many evenly spaced sequences.")
 @AS_JSON
 def stats(cache: str, plot_path: str | None, max_sequences: int, as_json: bool) -> None:
     """Length histogram, top-k mass coverage, entropy, top-1 probability, bytes per token."""
+    if plot_path:
+        report.check_plot_path(plot_path)
     result = _run(report.cache_stats, cache, max_sequences=max_sequences)
     if plot_path:
         _run(report.plot_stats, result, plot_path)
@@ -75,5 +80,10 @@ def stats(cache: str, plot_path: str | None, max_sequences: int, as_json: bool) 
 def verify(cache: str, as_json: bool) -> None:
     """Recompute checksums, check schemas, decode every row; exit status 1 on any problem."""
     result = verify_cache(cache)
+    if result["ok"] and result["num_sequences"] == 0:  # nothing to train on is a problem, not "ok"
+        result["ok"] = False
+        result["problems"].append({"shard": None, "problem": (
+            "the cache holds no sequence (every record was rejected or cut away: see rejected.jsonl); "
+            "re-run dflash-precompute with other --data")})
     click.echo(json.dumps(result) if as_json else report.format_verify(result))
     sys.exit(0 if result["ok"] else 1)

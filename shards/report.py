@@ -61,8 +61,14 @@ def cache_info(path: str | Path) -> dict[str, Any]:
         "inputs": spec.inputs,
         "has_target_dir": cache.target_dir.is_dir(),
         "total_bytes": sum(s["num_bytes"] for s in manifest["shards"]),
+        "target_dir_bytes": _folder_bytes(cache.target_dir),
         "bytes_per_token": bytes_per_token(cache),
     }
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it is absent)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
 def format_info(info: dict[str, Any]) -> str:
@@ -85,7 +91,9 @@ def format_info(info: dict[str, Any]) -> str:
         f"{info['feature_codec']}",
         f"top-k        k={info['top_k']} of V={info['vocab_size']:,}, {info['topk_codec']} codec, "
         f"temperature {info['logit_temperature']}; regenerated: {regen}",
-        f"size         {info['total_bytes'] / 2**20:,.1f} MiB; bytes/token: total "
+        f"size         {(info['total_bytes'] + info.get('target_dir_bytes', 0)) / 2**20:,.1f} MiB "
+        f"(shards {info['total_bytes'] / 2**20:,.1f}, target/ {info.get('target_dir_bytes', 0) / 2**20:,.1f}); "
+        f"bytes/token: total "
         f"{bpt['total']:,.1f}, features {bpt['features']:,.1f}, top-k {bpt['topk']:,.1f}",
     ]
     for item in info["inputs"]:
@@ -199,6 +207,8 @@ def cache_stats(path: str | Path, *, max_sequences: int = 1000, bins: int = 10) 
     `max_sequences` evenly spaced sequences: top-k mass coverage (1 - tail), entropy of the
     top-k-plus-tail distribution (the tail as one bucket: a lower bound on the target's
     entropy), top-1 probability; and bytes per token by column."""
+    if max_sequences < 1:
+        raise ValueError(f"--max-sequences must be >= 1, got {max_sequences}")
     cache = open_cache(path, check_rows=False)
     lengths = cache.lengths
     counts, edges = np.histogram(lengths, bins=bins, range=(0, max(1, int(lengths.max(initial=1)))))
@@ -243,8 +253,10 @@ def format_stats(stats: dict[str, Any]) -> str:
     ]
     hist = length["histogram"]
     peak = max(1, max(hist["counts"]))
-    for low, high, count in zip(hist["edges"], hist["edges"][1:], hist["counts"]):
-        lines.append(f"  [{low:>8.0f}, {high:>8.0f})  {count:>8}  {'#' * round(40 * count / peak)}")
+    last = len(hist["counts"]) - 1
+    for i, (low, high, count) in enumerate(zip(hist["edges"], hist["edges"][1:], hist["counts"])):
+        close = "]" if i == last else ")"  # numpy's last bin includes its upper edge (the maximum)
+        lines.append(f"  [{low:>8.0f}, {high:>8.0f}{close}  {count:>8}  {'#' * round(40 * count / peak)}")
     for key, name in (("topk_mass", "top-k mass"), ("entropy_nats", "entropy"), ("top1_prob", "top-1 prob")):
         s = stats[key]
         lines.append(f"{name:<12} mean {s['mean']:.4f}, p10 {s['p10']:.4f}, p50 {s['p50']:.4f}, p90 {s['p90']:.4f}")
@@ -253,6 +265,13 @@ def format_stats(stats: dict[str, Any]) -> str:
     for name, size in bpt["columns"].items():
         lines.append(f"  {name:<16} {size:>12,.2f}")
     return "\n".join(lines)
+
+
+def check_plot_path(out: str | Path) -> None:
+    """Refuse a --plot path whose folder does not exist (before the statistics are computed)."""
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {out}: folder {folder} does not exist; create it or choose another path")
 
 
 def plot_stats(stats: dict[str, Any], out: str | Path) -> None:
@@ -292,5 +311,10 @@ def format_verify(report: dict[str, Any]) -> str:
     if report["ok"]:
         return f"ok: {report['num_shards']} shards, {report['num_sequences']} sequences verified"
     lines = [f"FAILED: {len(report['problems'])} problem(s)"]
-    lines += [f"  {p['shard'] or '(cache)'}: {p['problem']}" for p in report["problems"]]
+    # Problems raised by the reader advise running verify; verify itself says what follows it.
+    lines += [f"  {p['shard'] or '(cache)'}: "
+              + p["problem"].replace("run `dflash-shards verify` on the cache and re-run", "re-run")
+              .replace("`dflash-shards verify` on the cache and re-run", "re-run")
+              .replace("run `dflash-shards verify` and re-run", "re-run")
+              for p in report["problems"]]
     return "\n".join(lines)

@@ -55,6 +55,9 @@ class TargetInfo:
     dtype: str | None = None
     """The dtype the target ran in and head.safetensors is stored in (e.g. "bfloat16");
     None in files written before it was recorded."""
+    fingerprint: str | None = None
+    """The target's weights fingerprint (dflash.shards.fingerprint); None in files written
+    before it was recorded, or for a target without safetensors files."""
 
     def __post_init__(self) -> None:
         _check_version(self.version)
@@ -72,6 +75,8 @@ class TargetInfo:
                              f"got {self.tie_word_embeddings!r}")
         if not isinstance(self.model_type, str):
             raise ValueError(f"TargetInfo.model_type must be a string, got {self.model_type!r}")
+        if self.fingerprint is not None and not isinstance(self.fingerprint, str):
+            raise ValueError(f"TargetInfo.fingerprint must be a string or null, got {self.fingerprint!r}")
         if self.dtype is not None and not isinstance(self.dtype, str):
             raise ValueError(f"TargetInfo.dtype must be a dtype name or null, got {self.dtype!r}")
         for name in ("mask_token_id", "pad_token_id", "bos_token_id"):

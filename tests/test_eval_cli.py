@@ -100,12 +100,12 @@ def test_export_cli_carries_the_measured_tau(synthetic_run, tmp_path):
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 
 
-def test_eval_errors_are_usage_errors(tmp_path):
+def test_eval_errors_are_one_line(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["eval", "--online", "--run", str(tmp_path)])
-    assert result.exit_code == 2 and "--target" in result.output
+    assert result.exit_code == 1 and result.output.startswith("Error: ") and "--target" in result.output
     result = runner.invoke(main, ["eval", "--run", str(tmp_path / "missing")])
-    assert result.exit_code == 2 and "dflash-train fit" in result.output
+    assert result.exit_code == 1 and result.output.startswith("Error: ") and "dflash-train fit" in result.output
 
 
 # --------------------------------------------------------------------------- online

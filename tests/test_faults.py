@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.faults import bad_input, corruption, disk_full, fit_kill, harness, numeric, precompute_kill, untrusted
+from tests.faults import (bad_input, corruption, disk_full, fit_kill, harness, numeric, precompute_kill, refusals,
+                          untrusted)
 from tests.faults.workspace import (
     FinalNameWatcher,
     Outcome,
@@ -188,3 +189,18 @@ def test_cli_prints_a_table_and_json(ws, capsys, monkeypatch):
     assert out[0].startswith("fault class") and "numeric" in out[2]
     result = json.loads(out[-1])
     assert result["classes"]["numeric"]["trials"] == 1 and result["failures"] == 0
+
+
+@pytest.mark.parametrize("case", ["mixed caches", "resume on another target", "eval on another target"])
+def test_wrong_target(ws, case):
+    assert_passed(refusals.trial_wrong_target(ws, rng(10), 0, case=case))
+
+
+@pytest.mark.parametrize("case", ["before the first step", "after the holder was killed"])
+def test_second_writer(ws, case):
+    assert_passed(refusals.trial_second_writer(ws, rng(11), 0, case=case))
+
+
+@pytest.mark.parametrize("case", ["empty file", "only malformed records", "every record cut away"])
+def test_empty_input(ws, case):
+    assert_passed(refusals.trial_empty_input(ws, rng(12), 0, case=case))

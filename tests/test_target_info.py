@@ -38,7 +38,7 @@ def test_round_trip(tmp_path, fields):
     assert path == tmp_path / "target.json"
     assert TargetInfo.load(tmp_path) == info
     # The keys stage one always wrote, plus version; the values as given (10000 stays an int).
-    assert json.loads(path.read_text()) == {"version": TARGET_INFO_VERSION, "dtype": None, **V1_FILE, **fields}
+    assert json.loads(path.read_text()) == {"version": TARGET_INFO_VERSION, "dtype": None, "fingerprint": None, **V1_FILE, **fields}
     assert [p.name for p in tmp_path.iterdir()] == ["target.json"]
 
 
@@ -73,7 +73,7 @@ def test_a_missing_field_is_named(tmp_path, field):
     ("num_layers", 0), ("hidden_size", 32.0), ("vocab_size", "50"), ("vocab_size", True),
     ("tie_word_embeddings", 1), ("model_type", None), ("mask_token_id", 1.5),
     ("pad_token_id", "0"), ("bos_token_id", False), ("eos_token_id", [2, None]), ("eos_token_id", "2"),
-    ("rms_norm_eps", "1e-5"), ("rope_theta", False), ("dtype", 16),
+    ("rms_norm_eps", "1e-5"), ("rope_theta", False), ("dtype", 16), ("fingerprint", 7),
 ])
 def test_a_mistyped_field_is_named(tmp_path, field, value):
     path = _write(tmp_path, {**V1_FILE, field: value})

@@ -164,7 +164,8 @@ def test_toml_then_flags(tmp_path):
     path = tmp_path / "fit.toml"
     path.write_text('cache = ["a", "b"]\nout = "run"\nblock-size = 8\nlr = 1e-3\ndecay_gamma = "auto"\n')
     config = resolve(path, {"lr": 2e-3, "epochs": None})
-    assert config.cache == ["a", "b"] and config.model.block_size == 8 and config.optimizer.lr == 2e-3
+    # Paths in the file are relative to the file.
+    assert config.cache == [str(tmp_path / "a"), str(tmp_path / "b")] and config.model.block_size == 8 and config.optimizer.lr == 2e-3
     assert config.data.epochs == 6 and config.loss.decay_gamma is None
 
 

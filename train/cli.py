@@ -15,15 +15,21 @@ from typing import Any, Literal
 
 import click
 
+from dflash.shards.commands import DflashGroup, version_option
 from dflash.train.config import FieldInfo, describe_fields, resolve
 
 # Fields that name folders: click checks that they are not files.
 _FOLDER_FIELDS = ("cache", "out")
 
 
-@click.group()
+@click.group(cls=DflashGroup)
+@version_option
 def main() -> None:
-    """Train, evaluate and export a DFlash drafter from dflash caches."""
+    """Train, evaluate and export a DFlash drafter from dflash caches.
+
+    A user error (a bad flag, file or input) prints one `Error: ...` line; --debug (before
+    the command) or DFLASH_DEBUG=1 shows its traceback.
+    """
 
 
 class _OrNone(click.ParamType):
@@ -101,15 +107,12 @@ def fit(config_file, **options) -> None:
 
     options = {name: list(value) or None if isinstance(value, tuple) else value
                for name, value in options.items()}
-    try:
-        config = resolve(config_file, options)
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
+    # ValueError (config, inputs, a busy run folder) and OSError (a full disk, a file-size
+    # limit) are one-line errors (DflashGroup); so is a stop on persistent spikes.
+    config = resolve(config_file, options)
     try:
         result = run_fit(config)
-    except (SpikeStop, OSError) as error:
-        # A full disk or a file-size limit (an OSError naming the file and the cause) is one
-        # line, not a traceback.
+    except SpikeStop as error:
         raise click.ClickException(str(error)) from None
     click.echo(f"done: {result.step}/{result.total_steps} steps; checkpoint {result.checkpoint}")
 

@@ -20,6 +20,7 @@ import functools
 import inspect
 import json
 import textwrap
+import types
 import typing
 try:
     import tomllib
@@ -195,8 +196,9 @@ class FitConfig:
     def __post_init__(self) -> None:
         if isinstance(self.cache, (str, Path)):
             self.cache = [self.cache]
-        self.cache = [str(c) for c in self.cache]
-        self.out = str(self.out)
+        # Stored resolved: RUN/config.json is read from other directories (eval, export, resume).
+        self.cache = [_absolute(c) for c in self.cache]
+        self.out = _absolute(self.out)
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
         if self.data.tokens_per_step % self.model.block_size:
@@ -217,6 +219,7 @@ class FitConfig:
         unknown = sorted(set(values) - set(LEAVES))
         if unknown:
             raise ValueError(f"fit config: unknown field(s) {unknown}; known fields: {sorted(LEAVES)}")
+        check_types(values, "fit config")
         sections: dict[str | None, dict[str, Any]] = {}
         for name, value in values.items():
             section, spec = LEAVES[name]
@@ -233,6 +236,55 @@ class FitConfig:
         for section in COMPONENTS:
             flat.update(nested[section])
         return flat
+
+
+def _absolute(path: str | Path) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def check_types(values: Mapping[str, Any], where: str) -> None:
+    """ValueError naming `where` and the field when a value is not of its field's type (a
+    TOML `num_layers = "one"`); a field's none word is accepted for None."""
+    for name, value in values.items():
+        section, spec = LEAVES[name]
+        if value is None or (isinstance(value, str) and value == spec.metadata.get(NONE_WORD)):
+            continue
+        hint = typing.get_type_hints(COMPONENTS[section] if section else FitConfig)[name]
+        if not _is_a(value, hint):
+            word = spec.metadata.get(NONE_WORD)
+            raise ValueError(f"{where}: {name} must be {_type_name(hint)}" + (f" or {word!r}" if word else "")
+                             + f", got {value!r}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args if a is not type(None))
+    if origin is Literal:
+        return isinstance(value, str)  # which choice: _check_choices
+    if origin is list:
+        return isinstance(value, (str, Path)) or (
+            isinstance(value, (list, tuple)) and all(_is_a(v, args[0]) for v in value))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, (str, Path))
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is list:
+        return f"a list of {_type_name(args[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
 def _check_choices(config: Any) -> None:
@@ -350,6 +402,13 @@ def load_toml(path: str | Path) -> dict:
     unknown = sorted(set(values) - FIELDS)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(FIELDS)}")
+    check_types(values, str(path))
+    # Paths in the file are relative to the file, not to the directory fit runs in.
+    if "cache" in values:
+        caches = [values["cache"]] if isinstance(values["cache"], str) else values["cache"]
+        values["cache"] = [str((path.parent / Path(c).expanduser()).resolve()) for c in caches]
+    if "out" in values:
+        values["out"] = str((path.parent / Path(values["out"]).expanduser()).resolve())
     return values
 
 

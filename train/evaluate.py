@@ -55,11 +55,14 @@ import click
 import numpy as np
 import torch
 
+from dflash.shards.commands import DflashCommand
 from dflash.shards.files import write_json_atomic
+from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.records import prompt_messages
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.data import eligible_anchors
 from dflash.train.export import eval_results_path, load_drafter
+from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
 from dflash.train.speculative import (
     DecodeResult,
@@ -374,7 +377,7 @@ def evaluate_online(
     warm-up).
     """
     if not prompts:
-        raise ValueError("no usable prompt: check the prompts file (rejected records are listed)")
+        raise ValueError("no prompt to decode: give JSONL chat records with a user turn")
     kwargs = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
     if warmup:
         greedy_generate(target, prompts[0].token_ids, max_new_tokens=min(8, max_new_tokens),
@@ -462,8 +465,12 @@ class EvalConfig:
     """Online: JSON object for the chat template; None: the cache's (a different one warns)."""
     chat_template: str | None = None
     """Online: Jinja chat template file; None: the cache's (or the tokenizer's)."""
+    allow_target_mismatch: bool = False
+    """Evaluate a cache or --target of another target than the run's (a warning in the report)."""
 
     def __post_init__(self) -> None:
+        if not self.online and (self.target is not None or self.prompts is not None):
+            raise ValueError("--target and --prompts are used only with --online: add --online, or drop them")
         if self.online and (self.target is None or self.prompts is None):
             raise ValueError("eval --online needs --target (the target's folder) and --prompts (a JSONL file)")
         if not self.online and self.cache is None and self.run is None:
@@ -628,9 +635,13 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             remaining -= len(limited[-1][1])
         selection = limited
 
+    run_fingerprint = read_run_info(config.run).get("target_fingerprint") if config.run else None
+    warnings = result["warnings"] = []
     if selection:
         for cache, _ in selection:
             _check_cache(cache, drafter)
+            warnings.append(check_same_target(f"--cache {cache.path}", cache_fingerprint(cache), run_fingerprint,
+                                              allow=config.allow_target_mismatch))
         head = TargetHead.load(selection[0][0].target_dir, device=device, dtype=torch.float32)
         total = sum(len(indices) for _, indices in selection)
         bar = tqdm(total=total, desc="offline", unit="seq", disable=not show_progress)
@@ -650,6 +661,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     if config.online:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        warnings.append(check_same_target(f"--target {config.target}", target_fingerprint(config.target),
+                                          run_fingerprint, allow=config.allow_target_mismatch))
         target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
         from dflash.train.chat_template import resolve_template_settings
 
@@ -658,6 +671,10 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
         prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
                                          limit=None if keep is not None else config.limit,
                                          chat_template=template_text, chat_template_kwargs=template_kwargs)
+        if not prompts:
+            shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
+            raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"
+                             + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
         head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                           lm_head=target.get_output_embeddings().weight.detach())
         proposer = DrafterProposer(drafter.to(dtype), head)
@@ -676,6 +693,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                       prompts=str(config.prompts), chat_template_kwargs=template_kwargs)
         result["online"] = online
 
+    result["warnings"] = [w for w in dict.fromkeys(warnings) if w is not None]
     if config.save and config.run is not None:
         path = eval_results_path(Path(config.run), loaded.checkpoint)
         saved = json.loads(path.read_text()) if path.is_file() else {}
@@ -704,6 +722,7 @@ def format_report(result: dict[str, Any]) -> str:
         for name in ("acceptance", "match"):
             values = result[f"per_position_{name}"]
             lines.append(f"{name:<8} " + " ".join("    -" if v is None else f"{v:5.3f}" for v in values))
+    lines += [f"warning: {warning}" for warning in result.get("warnings", [])]
     online = result.get("online")
     if online:
         status = "yes" if online["lossless"] else f"NO ({len(online['mismatches'])} prompts differ)"
@@ -723,7 +742,7 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command("eval")
+@click.command("eval", cls=DflashCommand)
 @click.option("--run", type=click.Path(file_okay=False), help="Run folder written by dflash-train fit.")
 @click.option("--checkpoint", type=click.Path(), help="RUN/checkpoints/step-N or an exported folder [newest].")
 @click.option("--cache", type=click.Path(file_okay=False),
@@ -742,6 +761,8 @@ def format_report(result: dict[str, Any]) -> str:
 @click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
               help="Online: Jinja chat template file [the cache's, else the tokenizer's].")
 @click.option("--save/--no-save", default=True, show_default=True, help="Write RUN/eval/<checkpoint>.json.")
+@click.option("--allow-target-mismatch", is_flag=True,
+              help="Evaluate a cache or --target of another target than the run's (warned in the report).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
 def eval_command(as_json: bool, **options: Any) -> None:
     """Acceptance length of a drafter: offline from a cache, and with --online against the target.
@@ -754,11 +775,7 @@ def eval_command(as_json: bool, **options: Any) -> None:
     --regenerate at temperature 0. Online: real greedy speculative decoding, checked token
     for token against the target's own greedy output (lossless).
     """
-    try:
-        config = EvalConfig(**options)
-        result = run_eval(config)
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
+    result = run_eval(EvalConfig(**options))  # a ValueError is a one-line error (DflashCommand)
     click.echo(format_report(result))
     if as_json:
         click.echo(json.dumps(result))

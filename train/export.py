@@ -38,6 +38,7 @@ import click
 import torch
 
 from dflash.shards import TargetInfo, open_cache
+from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.model import DFlashDrafter, DrafterConfig
@@ -263,7 +264,28 @@ def eval_results_path(run: Path, checkpoint: Path) -> Path:
     return Path(run) / "eval" / f"{Path(checkpoint).name}.json"
 
 
-def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None) -> str:
+def _plural(count: Any, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def held_out_eval(run: Path, step: int | None) -> dict[str, Any] | None:
+    """The held-out evaluation fit logged at `step` (RUN/events.jsonl), if any."""
+    events = run / "events.jsonl"
+    if step is None or not events.is_file():
+        return None
+    found = None
+    for line in events.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if isinstance(event, dict) and event.get("event") == "eval" and event.get("step") == step:
+            found = event
+    return found
+
+
+def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
+               held_out: dict[str, Any] | None = None) -> str:
     """README.md of an export: what the drafter is for, how it was trained, what it measured."""
     c = loaded.drafter.config
     fit = loaded.fit_config or {}
@@ -300,7 +322,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None) -> s
         f"layers; Hugging Face `hidden_states[id + 1]`). It has no embedding and no LM head: it uses "
         f"the target's, frozen. Mask token id: {c.mask_token_id}.",
         "",
-        f"Shape: {c.num_hidden_layers} Qwen3-style layers, hidden {c.hidden_size}, MLP "
+        f"Shape: {_plural(c.num_hidden_layers, 'Qwen3-style layer')}, hidden {c.hidden_size}, MLP "
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
         f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}.",
         "",
@@ -311,6 +333,10 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None) -> s
     ]
     if evaluation:
         lines += _evaluation_lines(evaluation)
+    elif held_out and held_out.get("tau") is not None:
+        lines += [f"Held-out tau during training (teacher-forced, {_plural(held_out.get('blocks'), 'block')}): "
+                  f"{held_out['tau']:.3f} at step {held_out.get('step')}. Run `dflash-train eval` on the run "
+                  "before exporting for the full offline and online figures."]
     else:
         lines += ["Not measured for this checkpoint: run `dflash-train eval` on the run before exporting."]
     lines += [
@@ -337,7 +363,7 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
     lines = ["| measure | acceptance length (tau) | on |", "|---|---|---|"]
     if evaluation.get("acceptance_length") is not None:
         lines.append(f"| offline, all held-out anchors | {evaluation['acceptance_length']:.3f} | "
-                     f"{evaluation.get('num_anchors')} anchors of {evaluation.get('num_sequences')} sequences |")
+                     f"{_plural(evaluation.get('num_anchors'), 'anchor')} of {_plural(evaluation.get('num_sequences'), 'sequence')} |")
     if evaluation.get("replay_acceptance_length") is not None:
         lines.append(f"| offline, greedy decoding replayed | {evaluation['replay_acceptance_length']:.3f} | "
                      f"{evaluation.get('num_replay_verifications')} verifications |")
@@ -366,12 +392,16 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     if caches and (Path(caches[0]) / "target" / "target.json").is_file():
         target = TargetInfo.load(Path(caches[0]) / "target")
         token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    card = model_card(loaded, evaluation=evaluation)
-    return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
-                        token_ids=token_ids, card=card)
+    card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step))
+    try:
+        return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
+                            token_ids=token_ids, card=card)
+    except OSError as error:
+        raise OSError(f"--out {out}: cannot write the export there ({error.strerror or error}); choose a "
+                      f"folder in a writable place") from error
 
 
-@click.command("export")
+@click.command("export", cls=DflashCommand)
 @click.option("--run", "run", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Run folder written by dflash-train fit.")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
@@ -381,10 +411,7 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
               help="Weight dtype in model.safetensors (auto: as trained, float32).")
 def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) -> None:
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
-    try:
-        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
+    path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)  # ValueError/OSError: one line
     click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
 
 

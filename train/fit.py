@@ -33,6 +33,8 @@ import gc
 import json
 import math
 import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +50,10 @@ from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_ch
 from dflash.train.config import FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
+from dflash.train.identity import caches_fingerprint, record_run_target
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
+from dflash.train.runlock import RunLock, check_out_folder
 
 
 class SpikeStop(RuntimeError):
@@ -133,17 +137,54 @@ def fit(config: FitConfig) -> FitResult:
 
 
 def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) -> FitResult:
-    run = _setup(config, rank, world_size, device)
+    run_dir, lock, created = Path(config.out), None, False
+    if rank == 0:  # one lock per run, whatever the number of ranks (see train/runlock.py)
+        created = not check_out_folder(run_dir)  # before anything is written
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir).acquire()
+    run = None
     try:
-        _train(run)
+        run = _setup(config, rank, world_size, device)
+        try:
+            _train(run)
+        finally:
+            run.logger.close()
+    except KeyboardInterrupt:
+        if rank == 0 and run is not None and run.step > 0:
+            _drain_quietly(run)
+            where = latest_checkpoint(run_dir)
+            print(f"interrupted after step {run.step}; newest checkpoint: {where or 'none'}. Rerun the same "
+                  "command to resume" + (f" from {where.name}" if where else " (from the start)"),
+                  file=sys.stderr, flush=True)
+        _forget(run_dir, created, run)
+        raise
+    except BaseException:
+        _forget(run_dir, created, run)
+        raise
     finally:
-        run.logger.close()
+        if lock is not None:
+            lock.release()
     if world_size > 1:
         # Non-zero ranks learn where the last checkpoint is from the run folder.
         _barrier(world_size)
         last = latest_checkpoint(run.run_dir)
         run.last_checkpoint = str(last) if last else None
     return FitResult(step=run.step, checkpoint=run.last_checkpoint, total_steps=run.total_steps)
+
+
+def _drain_quietly(run: Run) -> None:
+    """Let the checkpoint writer finish what it holds (an interrupted run keeps it)."""
+    if run.writer is not None:
+        try:
+            run.writer.wait()
+        except Exception:  # noqa: BLE001 - the interrupt is what is reported
+            pass
+
+
+def _forget(run_dir: Path, created: bool, run: Run | None) -> None:
+    """Remove the run folder this process created when it failed before its first step."""
+    if created and (run is None or run.step == 0):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _train(run: Run) -> None:
@@ -213,14 +254,13 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     start the logs."""
     run_dir = Path(config.out)
     is_main = rank == 0
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    _barrier(world_size)
+    _barrier(world_size)  # rank 0 made and locked the folder (_fit)
 
     # Row checks on: every row's crc32 (zlib, about 7 GB/s) is verified as it is read, so a
     # flipped bit in the cache is an error naming the shard, never trained on. It costs a small
     # fraction of the data time, itself far under 1% of a step (bench/train_step.py).
     caches = [open_cache(path, check_rows=True) for path in config.cache]
+    fingerprint, warnings = caches_fingerprint(caches)  # refuses caches of different targets
     # The first start counts every sequence's anchors, split over the ranks; a resume reads the
     # index rank 0 stored then.
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
@@ -240,6 +280,14 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     if saved_config.exists():
         check_resume(saved_config, config)
     if is_main:
+        record_run_target(run_dir, fingerprint, caches)
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if config.eval.eval_every and eval_plan is None:
+            why = ("--eval-fraction is 0" if not held_out.any()
+                   else f"the {int(held_out.sum())} held-out sequences hold less than a block per rank")
+            print(f"warning: --eval-every {config.eval.eval_every} has no effect: {why}, so there is no "
+                  "held-out evaluation", file=sys.stderr, flush=True)
         write_json_atomic(saved_config, config.to_dict())
         write_json_atomic(run_dir / "drafter_config.json", drafter_config.to_dict())
 
@@ -253,6 +301,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     resume_from = latest_checkpoint(run_dir)
     step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
 
+    if is_main and resume_from is not None:
+        print(f"resuming from {resume_from} (step {step})", flush=True)
     gamma = config.loss.decay_gamma or decay_gamma(config.model.block_size)
     writer = CheckpointWriter(run_dir, config.checkpoint.keep_checkpoints) if is_main else None
     # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.

@@ -1,6 +1,6 @@
 """Fault-tolerance trials: kill, starve, corrupt and poison dflash, and count what survives.
 
-Seven fault classes, one module each, each run as N randomised trials (`--trials`, seeded
+Ten fault classes, one module each, each run as N randomised trials (`--trials`, seeded
 by `--seed`); each module's docstring says what its trials check:
 
 1. `precompute-kill` (precompute_kill.py)  SIGKILL of `dflash-precompute`, then a rerun.
@@ -11,6 +11,9 @@ by `--seed`); each module's docstring says what its trials check:
 5. `bad-input` (bad_input.py)  malformed records among good ones.
 6. `numeric` (numeric.py)  NaN, Inf and huge-loss batches, isolated and persistent.
 7. `untrusted` (untrusted.py)  pickle payloads and paths that leave the cache.
+8. `wrong-target` (refusals.py)  a cache, a resume or an eval of another target.
+9. `second-writer` (refusals.py)  a second fit on a run folder that another fit holds.
+10. `empty-input` (refusals.py)  stage one with nothing to write.
 
 workspace.py holds what they share (the forkserver that runs the commands, the tiny target,
 caches and reference runs, the final-name watcher); harness.py runs the trials, prints the

@@ -34,6 +34,7 @@ from tests.faults.disk_full import trial_disk_full
 from tests.faults.fit_kill import trial_fit_kill
 from tests.faults.numeric import trial_numeric
 from tests.faults.precompute_kill import trial_precompute_kill
+from tests.faults.refusals import trial_empty_input, trial_second_writer, trial_wrong_target
 from tests.faults.untrusted import trial_untrusted
 from tests.faults.workspace import CHILD_ENV, COUNTED_NOTES, Outcome, Workspace
 
@@ -46,6 +47,9 @@ CLASSES: dict[str, tuple[Callable, str]] = {
     "bad-input": (trial_bad_input, "malformed records (JSON, types, roles, empty, huge, UTF-8, surrogates)"),
     "numeric": (trial_numeric, "NaN/Inf/huge-loss batches, isolated and persistent"),
     "untrusted": (trial_untrusted, "pickle payloads in checkpoints/index/head, paths escaping the cache"),
+    "wrong-target": (trial_wrong_target, "caches, a resume or an eval of another target's cache"),
+    "second-writer": (trial_second_writer, "a second fit on a held run folder; the holder killed"),
+    "empty-input": (trial_empty_input, "empty, blank, all-malformed or all-cut input to stage one"),
 }
 
 
