@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from dflash.shards.records import prompt_messages
+from dflash.train.basis import match_features
 from dflash.train.data import eligible_anchors
 from dflash.train.export import eval_results_path, load_drafter
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
@@ -531,6 +532,9 @@ def _device(name: str) -> torch.device:
 
 def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
     spec, c = cache.spec, drafter.config
+    if spec.feature_width != c.context_width or cache.feature_basis_sha256 != c.feature_basis_sha256:
+        raise ValueError(f"{cache.path}: cache features ({spec.feature_codec}, {spec.feature_width} per token) "
+                         f"are not what the drafter's fc reads ({c.context_width} per token)")
     if spec.layer_ids != c.target_layer_ids or spec.hidden_size != c.hidden_size or spec.vocab_size != c.vocab_size:
         raise ValueError(
             f"{cache.path}: cache has layers {spec.layer_ids}, hidden {spec.hidden_size}, vocabulary "
@@ -617,7 +621,9 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             remaining -= len(limited[-1][1])
         selection = limited
 
+    fit_caches = (loaded.fit_config or {}).get("cache") or []
     if selection:
+        drafter = match_features(drafter, selection[0][0], fit_caches)  # folds a basis for raw features
         for cache, _ in selection:
             _check_cache(cache, drafter)
         head = TargetHead.load(selection[0][0].target_dir, device=device, dtype=torch.float32)
@@ -644,7 +650,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                                          limit=None if keep is not None else config.limit)
         head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                           lm_head=target.get_output_embeddings().weight.detach())
-        proposer = DrafterProposer(drafter.to(dtype), head)
+        proposer = DrafterProposer(match_features(drafter, None, fit_caches).to(dtype), head)
         bar = tqdm(total=len(prompts), desc="online", unit="prompt", disable=not show_progress)
 
         def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:

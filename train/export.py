@@ -375,6 +375,10 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         target = _read_json(Path(caches[0]) / "target" / "target.json")
         token_ids = {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     card = model_card(loaded, evaluation=evaluation)
+    if loaded.drafter.config.feature_width is not None:  # trained on basis coefficients: fold the basis in
+        from dflash.train.basis import basis_of_caches, fold_basis
+
+        loaded.drafter = fold_basis(loaded.drafter, basis_of_caches(caches, loaded.drafter.config.feature_basis_sha256))
     return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
                         token_ids=token_ids, card=card)
 

@@ -113,6 +113,9 @@ def _fit(config: FitConfig, rank: int, world_size: int, device: torch.device) ->
             f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
             f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
         )
+    if spec.is_basis:  # fc reads the coefficients; export folds the basis back in
+        drafter_config = dataclasses.replace(drafter_config, feature_width=spec.feature_width,
+                                             feature_basis_sha256=caches[0].feature_basis_sha256)
     config = dataclasses.replace(config, mask_token_id=drafter_config.mask_token_id)
     gamma = config.decay_gamma or decay_gamma(config.block_size)
     held_out = held_out_mask(len(corpus), config.eval_fraction, config.seed)
