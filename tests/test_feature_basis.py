@@ -159,3 +159,33 @@ def test_match_features_refuses_a_foreign_basis(tmp_path):
     assert folded.config.feature_width is None
     with pytest.raises(ValueError, match="raw target features"):
         match_features(DFlashDrafter(drafter_config()), a, [])
+
+
+def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
+    from dflash.train.config import FitConfig
+    from dflash.train.evaluate import EvalConfig, run_eval
+    from dflash.train.export import export_run, load_exported
+    from dflash.train.fit import fit
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    lengths = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60]
+    basis_cache = write_synthetic_training_cache(tmp_path / "basis", lengths=lengths, seed=1,
+                                                 feature_codec="basis-bf16", feature_rank=24)
+    write_synthetic_training_cache(tmp_path / "raw", lengths=lengths, seed=1)
+    run = tmp_path / "run"
+    fit(FitConfig(cache=[str(tmp_path / "basis")], out=str(run), num_layers=1, block_size=4, anchors_per_seq=6,
+                  epochs=1, tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.2,
+                  wandb=False, log_every=1))
+    config = json.loads((run / "drafter_config.json").read_text())
+    assert config["feature_width"] == 24 and config["feature_basis_sha256"] == basis_cache.feature_basis_sha256
+    offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
+    assert offline["num_anchors"] > 0
+    export = export_run(run, tmp_path / "export")
+    exported = load_exported(export)
+    assert exported.config.feature_width is None and exported.fc.weight.shape == (32, 3 * 32)
+    assert "feature_width" not in json.loads((export / "config.json").read_text())
+    on_raw = run_eval(EvalConfig(checkpoint=str(export), cache=str(tmp_path / "raw"), device="cpu", save=False),
+                      show_progress=False)
+    folded_on_raw = run_eval(EvalConfig(run=str(run), cache=str(tmp_path / "raw"), device="cpu", save=False),
+                             show_progress=False)
+    assert on_raw["acceptance_length"] == folded_on_raw["acceptance_length"]

@@ -417,7 +417,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
     batch = Batch(
         segments=layout_segments,
         block_ids=torch.from_numpy(np.concatenate(block_ids)),
-        context_features=context.reshape(-1, corpus.spec.feature_width),
+        context_features=context.reshape(context.shape[0], -1),  # [C, L*H] or [C, r]
         label_rows=torch.from_numpy(np.concatenate(label_rows).astype(np.int64)),
         label_positions=torch.from_numpy(np.concatenate(label_positions).astype(np.int64)),
         topk_ids=torch.from_numpy(np.concatenate(topk_ids).astype(np.int64)),
