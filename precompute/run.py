@@ -576,8 +576,9 @@ def _compute(config, target, encoder, writer, done, mine, stats, sampled=None) -
             if config.regenerate:
                 bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq, generating {len(members)}")
                 fresh = [m for m in members if m.key not in sampled]
-                members = [sampled[m.key] for m in members if sampled.get(m.key) is not None]
-                members += _regenerate(config, target, encoder, writer, done, fresh, stats) if fresh else []
+                regenerated = {**sampled, **{m.key: m for m in (
+                    _regenerate(config, target, encoder, writer, done, fresh, stats) if fresh else [])}}
+                members = [regenerated[m.key] for m in members if regenerated.get(m.key) is not None]
                 forward_batches = [[members[i] for i in b] for b in
                                    plan_batches([len(m.encoded.input_ids) for m in members], config.batch_tokens)]
             else:
