@@ -189,3 +189,22 @@ def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
     folded_on_raw = run_eval(EvalConfig(run=str(run), cache=str(tmp_path / "raw"), device="cpu", save=False),
                              show_progress=False)
     assert on_raw["acceptance_length"] == folded_on_raw["acceptance_length"]
+
+
+def test_transcode_keeps_rows_and_changes_features(tmp_path):
+    from dflash.shards.transcode import transcode_cache
+
+    source = write_synthetic_cache(tmp_path / "src", spec("bf16"), LENGTHS, seed=5)
+    transcode_cache(tmp_path / "src", tmp_path / "same", feature_codec="bf16")
+    transcode_cache(tmp_path / "src", tmp_path / "basis", feature_codec="basis-fp8", feature_rank=48,
+                    basis_sample_tokens=20)
+    same, basis = open_cache(tmp_path / "same"), open_cache(tmp_path / "basis")
+    assert basis.load_feature_basis().num_tokens == LENGTHS[0] + LENGTHS[1]  # the first records reach 20
+    for i in range(len(source)):
+        np.testing.assert_array_equal(same[i].features, source[i].features)
+        np.testing.assert_array_equal(basis[i].input_ids, source[i].input_ids)
+        np.testing.assert_array_equal(basis[i].topk_ids, same[i].topk_ids)
+        full = basis.load_feature_basis()  # rank L*H: an orthonormal basis, so x = P c
+        back = basis[i].features[:, 0] @ full.projection.T
+        x = source[i].features.reshape(len(back), -1)
+        assert np.abs(back - x).max() <= 0.1 * np.abs(x).max()
