@@ -46,15 +46,18 @@ def transcode_cache(src: str | Path, dst: str | Path, *, feature_codec: str, fea
         basis = fit_basis(moment.matrix, moment.num_tokens, spec.feature_rank)
         write_basis(dst, basis)
         fit_s = time.perf_counter() - began
-    began = time.perf_counter()
     writer = CacheWriter(dst, spec, basis=basis)
+    write_s = 0.0  # validate, encode and write: what stage one spends per row after the forward
     for i in range(len(source)):
         seq = source[i]
+        began = time.perf_counter()
         writer.add(source=seq.source, input_ids=seq.input_ids, loss_mask=seq.loss_mask,
                    features=seq.features, topk_ids=seq.topk_ids, topk_logprobs=seq.topk_logprobs,
                    tail_mass=seq.tail_mass)
+        write_s += time.perf_counter() - began
+    began = time.perf_counter()
     writer.close()
-    write_s = time.perf_counter() - began
+    write_s += time.perf_counter() - began
     finalize_cache(dst, spec, 1)
     if source.target_dir.is_dir():
         shutil.copytree(source.target_dir, dst / "target")
