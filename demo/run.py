@@ -145,6 +145,9 @@ def main() -> None:
                              "--prompts", str(data), "--limit", str(config.online_prompts),
                              "--max-new-tokens", str(config.max_new_tokens)], capture_json=True)
     info = run([bin_path("dflash-shards"), "info", "--json", str(cache)], capture_json=True)
+    from dflash.shards.report import format_info
+
+    print(format_info(info))
 
     online = paired["online"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
