@@ -75,7 +75,10 @@ def build_caches(source: Path, work: Path, grid, sample_tokens: int) -> list[dic
     from dflash.shards.report import bytes_per_token
     from dflash.shards.transcode import transcode_cache
 
+    from dflash.shards.transcode import sample_moment
+
     hidden = open_cache(source).spec.hidden_size
+    moment = None  # one sample's second moment for every rank (its fit time is counted once)
     out = []
     for codec, factor in grid:
         name = codec_name(codec, factor)
@@ -83,9 +86,15 @@ def build_caches(source: Path, work: Path, grid, sample_tokens: int) -> list[dic
         timing_path = path.with_suffix(".timing.json")
         if not timing_path.is_file():
             shutil.rmtree(path, ignore_errors=True)
+            moment_s = 0.0
+            if factor is not None and moment is None:
+                began = time.perf_counter()
+                moment = sample_moment(open_cache(source), sample_tokens)
+                moment_s = time.perf_counter() - began
             timing = transcode_cache(source, path, feature_codec=codec,
                                      feature_rank=None if factor is None else int(hidden * factor),
-                                     basis_sample_tokens=sample_tokens)
+                                     basis_sample_tokens=sample_tokens, moment=moment)
+            timing["fit_s"] += moment_s
             timing_path.write_text(json.dumps(timing))
         timing = json.loads(timing_path.read_text())
         cache = open_cache(path)

@@ -24,9 +24,25 @@ from dflash.shards.reader import open_cache
 from dflash.shards.writer import CacheWriter, finalize_cache
 
 
+def sample_moment(source, sample_tokens: int) -> SecondMoment:
+    """Second moment of the first records of `source` (an open cache) in input order, by
+    (file, index), until they hold `sample_tokens` tokens."""
+    order = sorted(range(len(source)), key=lambda i: (source.source(i)["file"], source.source(i)["index"]))
+    moment = SecondMoment(source.spec.num_layers * source.spec.hidden_size)
+    for i in order:
+        if moment.num_tokens >= sample_tokens:
+            break
+        moment.add(source[i].features)
+    return moment
+
+
 def transcode_cache(src: str | Path, dst: str | Path, *, feature_codec: str, feature_rank: int | None = None,
-                    basis_sample_tokens: int = 65536) -> dict[str, Any]:
-    """Write `dst` from `src` with `feature_codec`; returns {"fit_s", "write_s", "num_tokens"}."""
+                    basis_sample_tokens: int = 65536, moment: SecondMoment | None = None) -> dict[str, Any]:
+    """Write `dst` from `src` with `feature_codec`; returns {"fit_s", "write_s", "num_tokens"}.
+
+    moment: `sample_moment(src, basis_sample_tokens)` when already computed (several ranks
+    from one sample).
+    """
     source = open_cache(src)
     dst = Path(dst)
     if dst.exists():
@@ -36,13 +52,7 @@ def transcode_cache(src: str | Path, dst: str | Path, *, feature_codec: str, fea
     basis, fit_s = None, 0.0
     if spec.is_basis:
         began = time.perf_counter()
-        order = sorted(range(len(source)), key=lambda i: (source.source(i)["file"], source.source(i)["index"]))
-        moment, total = SecondMoment(spec.num_layers * spec.hidden_size), 0
-        for i in order:
-            if total >= basis_sample_tokens:
-                break
-            moment.add(source[i].features)
-            total += int(source.lengths[i])
+        moment = moment or sample_moment(source, basis_sample_tokens)
         basis = fit_basis(moment.matrix, moment.num_tokens, spec.feature_rank)
         write_basis(dst, basis)
         fit_s = time.perf_counter() - began
