@@ -42,6 +42,11 @@ class DemoConfig:
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
     """Longest cached sequence, in tokens."""
+    feature_codec: str = "bf16"
+    """How the cache stores features (dflash-precompute --feature-codec); bench/RESULTS.md
+    compares the codecs on this demo."""
+    feature_rank: int = 0
+    """Basis codecs: coefficients per token (0: the target's hidden size)."""
     num_layers: int = 1
     """Drafter decoder layers."""
     block_size: int = 8
@@ -128,7 +133,9 @@ def main() -> None:
         data, regenerate = regenerated, []
     precompute = run([
         bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(cache),
-        *regenerate, "--max-length", str(config.max_length), "--device", "cpu", "--json",
+        *regenerate, "--max-length", str(config.max_length), "--feature-codec", config.feature_codec,
+        *(["--feature-rank", str(config.feature_rank)] if config.feature_rank else []),
+        "--device", "cpu", "--json",
     ], capture_json=True)
 
     fit_args = [
@@ -151,7 +158,10 @@ def main() -> None:
     paired = run(evaluate + ["--checkpoint", str(final), "--online", "--target", str(target),
                              "--prompts", str(data), "--limit", str(config.online_prompts),
                              "--max-new-tokens", str(config.max_new_tokens)], capture_json=True)
-    run([bin_path("dflash-shards"), "info", str(cache)])
+    info = run([bin_path("dflash-shards"), "info", "--json", str(cache)], capture_json=True)
+    from dflash.shards.report import format_info
+
+    print(format_info(info))
 
     online = paired["online"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -160,6 +170,10 @@ def main() -> None:
     print("\n== summary")
     print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
           f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
+    bf16_bytes = 2 * len(info["feature_layers"]) * info["hidden_size"]
+    print(f"  features     {info['bytes_per_token']['features']:,.0f} bytes/token ({info['feature_codec']}"
+          + (f", rank {info['feature_rank']}" if info.get("feature_rank") else "")
+          + f") beside bf16's {bf16_bytes:,}: {info['bytes_per_token']['features'] / bf16_bytes:.3f}x")
     train_s = sum(m["step_time_s"] for m in steps)  # from the run's own log: right on a rerun too
     print(f"  training     {steps[-1]['step']} steps in {train_s:,.0f} s; loss {steps[0]['loss']:.3f} -> "
           f"{steps[-1]['loss']:.3f}")

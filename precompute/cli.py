@@ -36,7 +36,12 @@ def _layer_ids(ctx, param, value: str) -> list[int] | None:
 @click.option("--feature-layers", default="auto", callback=_layer_ids,
               help="'auto' (the DFlash rule) or comma-separated decoder-layer ids.")
 @click.option("--num-feature-layers", type=int, default=5, help="Layers the DFlash rule picks.")
-@click.option("--feature-codec", type=click.Choice(["bf16", "fp8"]), default="bf16")
+@click.option("--feature-codec", type=click.Choice(["bf16", "fp8", "basis-bf16", "basis-fp8"]), default="bf16",
+              help="basis-*: r coefficients per token in a basis fitted on the run's first tokens.")
+@click.option("--feature-rank", type=int, default=None,
+              help="Basis codecs: coefficients per token (default: the target's hidden size).")
+@click.option("--basis-sample-tokens", type=int, default=65536,
+              help="Basis codecs: tokens of the first records the basis is fitted on.")
 @click.option("--topk-codec", type=click.Choice(["packed", "raw"]), default="packed")
 @click.option("--max-length", type=int, default=3072, help="Cut longer sequences to this many tokens.")
 @click.option("--batch-tokens", type=int, default=16384, help="Padded tokens per forward batch.")

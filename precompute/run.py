@@ -54,6 +54,7 @@ from dflash.precompute.data import ChatEncoder, Encoded, RecordError, input_sha2
 from dflash.precompute.plan import assign_ranks, plan_batches
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.shards.records import cut_assistant_turns
+from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
 
 
 @dataclass(kw_only=True)
@@ -73,7 +74,12 @@ class PrecomputeConfig:
     num_feature_layers: int = 5
     """How many layers the DFlash rule picks when feature_layers is None."""
     feature_codec: str = "bf16"
-    """Feature storage: "bf16" or "fp8"."""
+    """Feature storage: "bf16", "fp8", or coefficients in a basis fitted here: "basis-bf16", "basis-fp8"."""
+    feature_rank: int | None = None
+    """Basis codecs: coefficients per token (default: the target's hidden size H)."""
+    basis_sample_tokens: int = 65536
+    """Basis codecs: the basis is fitted on the first records (in input order) holding about
+    this many tokens, prompts and replies, before any row is written."""
     topk_codec: str = "packed"
     """Top-k storage: "packed" (about 1e-3 nat) or "raw" (lossless)."""
     max_length: int = 3072
@@ -127,7 +133,12 @@ class PrecomputeConfig:
         checks = [
             (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
             (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
-            (self.feature_codec in ("bf16", "fp8"), f"--feature-codec must be bf16 or fp8, got {self.feature_codec!r}"),
+            (self.feature_codec in FEATURE_CODECS,
+             f"--feature-codec must be one of {', '.join(FEATURE_CODECS)}, got {self.feature_codec!r}"),
+            (self.feature_rank is None or (self.feature_rank >= 1 and self.feature_codec in BASIS_CODECS),
+             f"--feature-rank must be >= 1 and goes with a basis codec, got {self.feature_rank} with "
+             f"{self.feature_codec}"),
+            (self.basis_sample_tokens >= 1, f"--basis-sample-tokens must be >= 1, got {self.basis_sample_tokens}"),
             (self.topk_codec in ("packed", "raw"), f"--topk-codec must be packed or raw, got {self.topk_codec!r}"),
             (self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}"),
             (self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}"),
@@ -448,7 +459,12 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
 
         lengths = _merge_lengths(group.step("reading the inputs", scan))
         mine = {lengths[j][0] for j in assign_ranks([n for _, n in lengths], world_size)[rank]}
-        group.step("computing", lambda: _compute(config, target, encoder, writer, done, mine, stats))
+        sampled: dict[tuple[str, int], Any] = {}
+        if spec.is_basis:
+            from dflash.precompute.basis import fit_or_load_basis
+
+            fit_or_load_basis(config, group, target, encoder, writer, done, mine, lengths, stats, sampled, log)
+        group.step("computing", lambda: _compute(config, target, encoder, writer, done, mine, stats, sampled))
         gathered = group.step("closing the shards", lambda: (writer.close(), stats)[1])
     except BaseException:
         writer.abort()
@@ -490,6 +506,7 @@ def _build_spec(config: PrecomputeConfig, target: Any, world_size: int) -> Cache
     return CacheSpec(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, layer_ids=target.layer_ids,
         top_k=config.top_k, feature_codec=config.feature_codec, topk_codec=config.topk_codec,
+        feature_rank=(config.feature_rank or target.hidden_size) if config.feature_codec in BASIS_CODECS else None,
         max_length=config.max_length, logit_temperature=1.0, regenerated=config.regenerate,
         generation_temperature=config.temperature if config.regenerate else None,
         target=target.identity(), tokenizer_sha256=target.tokenizer_sha256(),
@@ -582,8 +599,10 @@ def _merge_lengths(gathered: list[list[tuple[int, int]]]) -> list[tuple[int, int
     return sorted(item for part in gathered for item in part)
 
 
-def _compute(config, target, encoder, writer, done, mine, stats) -> None:
-    """Run this rank's batches and write their rows."""
+def _compute(config, target, encoder, writer, done, mine, stats, sampled=None) -> None:
+    """Run this rank's batches and write their rows. `sampled`: {key: regenerated item, or
+    None if rejected} of the records the basis fit regenerated already."""
+    sampled = sampled or {}
     from tqdm import tqdm
 
     items = []
@@ -607,7 +626,10 @@ def _compute(config, target, encoder, writer, done, mine, stats) -> None:
                 continue
             if config.regenerate:
                 bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq, generating {len(members)}")
-                members = _regenerate(config, target, encoder, writer, done, members, stats)
+                fresh = [m for m in members if m.key not in sampled]
+                regenerated = {**sampled, **{m.key: m for m in (
+                    _regenerate(config, target, encoder, writer, done, fresh, stats) if fresh else [])}}
+                members = [regenerated[m.key] for m in members if regenerated.get(m.key) is not None]
                 forward_batches = [[members[i] for i in b] for b in
                                    plan_batches([len(m.encoded.input_ids) for m in members], config.batch_tokens)]
             else:

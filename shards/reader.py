@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.shards import codecs, rows
+from dflash.shards.basis import FeatureBasis
 from dflash.shards.spec import CacheSpec, check_format_version
 from dflash.shards.writer import MANIFEST, file_sha256
 
@@ -31,7 +32,7 @@ class Sequence:
 
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] bool
-    features: np.ndarray  # [T, L, H] float32
+    features: np.ndarray  # [T, L, H] float32 (basis codecs: the coefficients, [T, 1, r])
     topk_ids: np.ndarray  # [T, k] int32 (packed codec: descending probability)
     topk_logprobs: np.ndarray  # [T, k] float32, full-vocabulary log-probs
     tail_mass: np.ndarray  # [T] float32, 1 - sum(exp(topk_logprobs))
@@ -44,9 +45,9 @@ class RawSequence:
 
     input_ids: np.ndarray  # [T] int32, view
     loss_mask: np.ndarray  # [T] bool, view
-    features: np.ndarray  # [T, L, H] view: uint16 bf16 bits, or uint8 float8_e4m3fn codes
-    feature_scales: np.ndarray | None  # [T, L] float32 view (fp8: value = e4m3 * scale), else None
-    feature_codec: str  # "bf16" or "fp8"
+    features: np.ndarray  # [T, L, H] view (basis codecs: [T, 1, r]): uint16 bf16 bits, or uint8 e4m3 codes
+    feature_scales: np.ndarray | None  # [T, L] (basis-fp8: [T, 1]) float32 view: value = e4m3 * scale; else None
+    feature_codec: str  # spec.feature_codec
     topk_ids: np.ndarray  # [T, k] int32, decoded
     topk_logprobs: np.ndarray  # [T, k] float32, decoded
     tail_mass: np.ndarray  # [T] float32, decoded
@@ -156,6 +157,13 @@ class Cache:
                 f"{manifest_path}: shards hold {self._shard_starts[-1]} sequences but "
                 f"{len(self.lengths)} are listed; the manifest is damaged"
             )
+        self.feature_basis_entry: dict[str, Any] | None = None
+        if self.spec.is_basis:
+            entry = check.field(manifest, "feature_basis", dict)
+            check.field(entry, "sha256", str, "feature_basis.sha256")
+            self.feature_basis_path = _inside(self.root, check.field(entry, "path", str, "feature_basis.path"),
+                                              "feature_basis.path")
+            self.feature_basis_entry = entry
         self.check_rows = check_rows
         self._max_open = max_open_shards
         self._open: OrderedDict[int, pa.ipc.RecordBatchFileReader] = OrderedDict()
@@ -171,6 +179,18 @@ class Cache:
         i = self._index(i)
         return {"file": self._source_files[self._source_file[i]], "index": int(self._source_index[i])}
 
+    @property
+    def feature_basis_sha256(self) -> str | None:
+        """sha256 of the basis this cache's coefficients are in; None for raw-feature caches."""
+        return None if self.feature_basis_entry is None else self.feature_basis_entry["sha256"]
+
+    def load_feature_basis(self) -> FeatureBasis:
+        """The cache's basis (P, D), its file checked against the manifest's sha256."""
+        if self.feature_basis_entry is None:
+            raise ValueError(f"{self.root} stores raw features ({self.spec.feature_codec}); it has no basis")
+        _check_resolved(self.root, self.feature_basis_path)
+        return FeatureBasis.load(self.feature_basis_path, self.feature_basis_entry["sha256"])
+
     def locate(self, i: int) -> tuple[Path, int]:
         """(shard path, row within the shard) of sequence i."""
         _, shard, row = self._shard_row(i)
@@ -178,7 +198,7 @@ class Cache:
 
     def __getitem__(self, i: int) -> Sequence:
         raw = self.raw(i)
-        if raw.feature_codec == "bf16":
+        if raw.feature_codec in ("bf16", "basis-bf16"):
             features = codecs.bf16_to_f32(raw.features)
         else:
             features = codecs.fp8_to_f32(raw.features, raw.feature_scales)
@@ -222,8 +242,8 @@ class Cache:
         return RawSequence(
             input_ids=values["input_ids"],
             loss_mask=values["loss_mask"].view(np.bool_),
-            features=values["features"].reshape(num_tokens, spec.num_layers, spec.hidden_size),
-            feature_scales=None if scales is None else scales.reshape(num_tokens, spec.num_layers),
+            features=values["features"].reshape(num_tokens, *spec.feature_shape),
+            feature_scales=None if scales is None else scales.reshape(num_tokens, spec.feature_shape[0]),
             feature_codec=spec.feature_codec,
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
@@ -416,6 +436,15 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
             except ValueError as error:
                 problems.append({"shard": name, "problem": str(error)})
         cache._open.pop(shard, None)
+    if cache.spec.is_basis:
+        try:
+            basis = cache.load_feature_basis()
+            if (basis.input_width, basis.rank) != (cache.spec.num_layers * cache.spec.hidden_size,
+                                                   cache.spec.feature_rank):
+                raise ValueError(f"{cache.feature_basis_path} maps {basis.input_width} -> {basis.rank} "
+                                 f"values; the spec needs rank {cache.spec.feature_rank}")
+        except ValueError as error:
+            problems.append({"shard": None, "problem": str(error)})
     if not cache.rejected_path.exists():
         problems.append({"shard": None, "problem": f"{cache.rejected_path} is missing"})
     return {

@@ -51,6 +51,8 @@ def cache_info(path: str | Path) -> dict[str, Any]:
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
         "feature_codec": spec.feature_codec,
+        "feature_rank": spec.feature_rank,
+        "feature_basis": cache.feature_basis_entry,
         "topk_codec": spec.topk_codec,
         "max_length": spec.max_length,
         "logit_temperature": spec.logit_temperature,
@@ -88,7 +90,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"tokens       {info['num_tokens']:,} ({info['num_loss_tokens']:,} in the loss mask), "
         f"max length {info['max_length']:,}",
         f"features     layers {info['feature_layers']} x hidden {info['hidden_size']}, "
-        f"{info['feature_codec']}",
+        f"{info['feature_codec']}" + _basis_text(info),
         f"top-k        k={info['top_k']} of V={info['vocab_size']:,}, {info['topk_codec']} codec, "
         f"temperature {info['logit_temperature']}; regenerated: {regen}",
         f"size         {(info['total_bytes'] + info.get('target_dir_bytes', 0)) / 2**20:,.1f} MiB "
@@ -99,6 +101,17 @@ def format_info(info: dict[str, Any]) -> str:
     for item in info["inputs"]:
         lines.append(f"input        {item['path']} (sha256 {str(item.get('sha256', '?'))[:12]})")
     return "\n".join(lines)
+
+
+def _basis_text(info: dict[str, Any]) -> str:
+    basis = info.get("feature_basis")
+    if not basis:
+        return ""
+    raw_bf16 = 2 * len(info["feature_layers"]) * info["hidden_size"]
+    return (f" coefficients, rank {info['feature_rank']} ({basis['method']} basis "
+            f"{basis['sha256'][:12]}, {basis['energy_captured']:.4%} of the energy of "
+            f"{basis['num_tokens']:,} sample tokens; features at "
+            f"{info['bytes_per_token']['features'] / raw_bf16:.3f}x bf16's {raw_bf16:,} B/token)")
 
 
 def load_tokenizer(target_dir: Path):

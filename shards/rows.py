@@ -19,13 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.shards import codecs
-from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+from dflash.shards.spec import CacheSpec
 
 VERSION_KEY = b"dflash.format_version"
 SPEC_KEY = b"dflash.spec"
 
 # Per-token list columns, in the order their bytes enter the row checksum.
-_FEATURE_VALUE_TYPES = {"bf16": pa.uint16(), "fp8": pa.uint8()}
+_FEATURE_VALUE_TYPES = {"bf16": pa.uint16(), "fp8": pa.uint8(), "basis-bf16": pa.uint16(), "basis-fp8": pa.uint8()}
 
 
 def list_columns(spec: CacheSpec) -> list[tuple[str, pa.DataType]]:
@@ -35,7 +35,7 @@ def list_columns(spec: CacheSpec) -> list[tuple[str, pa.DataType]]:
         ("loss_mask", pa.uint8()),
         ("features", _FEATURE_VALUE_TYPES[spec.feature_codec]),
     ]
-    if spec.feature_codec == "fp8":
+    if spec.feature_codec in ("fp8", "basis-fp8"):
         columns.append(("feature_scales", pa.float32()))
     if spec.topk_codec == "packed":
         columns.append(("topk", pa.uint8()))
@@ -50,12 +50,12 @@ def list_columns(spec: CacheSpec) -> list[tuple[str, pa.DataType]]:
 
 def values_per_token(spec: CacheSpec) -> dict[str, int]:
     """Number of list values each per-token column holds per token."""
-    num_layers, hidden, k = spec.num_layers, spec.hidden_size, spec.top_k
+    k = spec.top_k
     return {
         "input_ids": 1,
         "loss_mask": 1,
-        "features": num_layers * hidden,
-        "feature_scales": num_layers,
+        "features": spec.feature_width,
+        "feature_scales": spec.feature_shape[0],
         "topk": codecs.packed_bytes_per_token(k, spec.vocab_size),
         "topk_ids": k,
         "topk_logprobs": k,
@@ -78,7 +78,7 @@ def shard_schema(spec: CacheSpec) -> pa.Schema:
     fields += [pa.field(name, pa.large_list(dtype), nullable=False) for name, dtype in list_columns(spec)]
     fields.append(pa.field("checksum", pa.uint32(), nullable=False))
     identity = json.dumps(spec.identity(), sort_keys=True, separators=(",", ":"))
-    return pa.schema(fields, metadata={VERSION_KEY: str(FORMAT_VERSION).encode(), SPEC_KEY: identity.encode()})
+    return pa.schema(fields, metadata={VERSION_KEY: str(spec.format_version).encode(), SPEC_KEY: identity.encode()})
 
 
 # pa.array() and Array.to_numpy() import pandas on first use (0.15 s per process); building
@@ -157,8 +157,12 @@ def encode_row(
     topk_logprobs: np.ndarray,
     tail_mass: np.ndarray,
     source: dict[str, Any],
+    basis: Any = None,
 ) -> pa.RecordBatch:
-    """Encode one validated sequence (see CacheWriter.add for shapes) as a one-row batch."""
+    """Encode one validated sequence (see CacheWriter.add for shapes) as a one-row batch.
+
+    Basis codecs project the raw features with `basis` (a FeatureBasis) first.
+    """
     if features.dtype == np.uint16:
         features_f32 = None
         bf16 = features
@@ -169,7 +173,15 @@ def encode_row(
         "input_ids": input_ids.astype(np.int32, copy=False),
         "loss_mask": loss_mask.astype(np.uint8, copy=False),
     }
-    if spec.feature_codec == "bf16":
+    if spec.is_basis:
+        if features_f32 is None:
+            features_f32 = codecs.bf16_to_f32(bf16)
+        coefficients = basis.encode(features_f32)  # [T, r] float32
+        if spec.feature_codec == "basis-bf16":
+            values["features"] = codecs.f32_to_bf16(coefficients)
+        else:
+            values["features"], values["feature_scales"] = codecs.f32_to_fp8(coefficients)
+    elif spec.feature_codec == "bf16":
         values["features"] = bf16 if bf16 is not None else codecs.f32_to_bf16(features_f32)
     else:
         if features_f32 is None:

@@ -13,11 +13,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Version 1: the layout in FORMAT.md. Readers accept exactly the versions in READ_VERSIONS.
-FORMAT_VERSION = 1
-READ_VERSIONS = (1,)
+# Version 1: the layout in FORMAT.md. Version 2 adds the basis feature codecs (coefficients
+# in the rows, the basis in feature_basis.safetensors); caches of the version-1 codecs are
+# still written as version 1, byte for byte as before. Readers accept the READ_VERSIONS.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 
-FEATURE_CODECS = ("bf16", "fp8")
+FEATURE_CODECS = ("bf16", "fp8", "basis-bf16", "basis-fp8")
+BASIS_CODECS = ("basis-bf16", "basis-fp8")
 TOPK_CODECS = ("packed", "raw")
 
 
@@ -44,7 +47,11 @@ class CacheSpec:
     top_k: int
     """Number k of next-token candidates cached per position."""
     feature_codec: str = "bf16"
-    """How features are stored: "bf16" (exact for bf16 inputs) or "fp8" (e4m3, per-token-layer scale)."""
+    """How features are stored: "bf16" (exact for bf16 inputs), "fp8" (e4m3, per-token-layer scale),
+    or "basis-bf16" / "basis-fp8": feature_rank coefficients per token in a learned basis (bf16, or
+    e4m3 with one scale per token); see basis.py."""
+    feature_rank: int | None = None
+    """Basis codecs: coefficients per token r (1..L*H); None for bf16 and fp8."""
     topk_codec: str = "packed"
     """How top-k is stored: "packed" (bit-packed ids, quantised probabilities) or "raw" (lossless)."""
     max_length: int
@@ -85,6 +92,18 @@ class CacheSpec:
             raise ValueError(
                 f"CacheSpec.feature_codec must be one of {FEATURE_CODECS}, got {self.feature_codec!r}"
             )
+        if self.feature_codec in BASIS_CODECS:
+            width = len(self.layer_ids) * self.hidden_size
+            if self.feature_rank is None or not 1 <= self.feature_rank <= width:
+                raise ValueError(
+                    f"CacheSpec.feature_rank must be in [1, L*H = {width}] for feature_codec "
+                    f"{self.feature_codec!r}, got {self.feature_rank!r}"
+                )
+        elif self.feature_rank is not None:
+            raise ValueError(
+                f"CacheSpec.feature_rank is {self.feature_rank} but feature_codec {self.feature_codec!r} "
+                "stores raw features: set feature_rank=None or use a basis codec"
+            )
         if self.topk_codec not in TOPK_CODECS:
             raise ValueError(
                 f"CacheSpec.topk_codec must be one of {TOPK_CODECS}, got {self.topk_codec!r}"
@@ -115,8 +134,31 @@ class CacheSpec:
         """L, the number of cached feature layers."""
         return len(self.layer_ids)
 
+    @property
+    def is_basis(self) -> bool:
+        """Whether rows hold basis coefficients (feature_basis.safetensors holds the basis)."""
+        return self.feature_codec in BASIS_CODECS
+
+    @property
+    def feature_width(self) -> int:
+        """Stored feature values per token, what the drafter's fc reads: r, or L*H."""
+        return self.feature_rank if self.is_basis else self.num_layers * self.hidden_size
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        """Shape of one token's stored features: (1, r) for basis codecs, else (L, H)."""
+        return (1, self.feature_rank) if self.is_basis else (self.num_layers, self.hidden_size)
+
+    @property
+    def format_version(self) -> int:
+        """The format version this spec's cache is written with (1 unless a basis codec)."""
+        return 2 if self.is_basis else 1
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["feature_rank"] is None:
+            del data["feature_rank"]  # version-1 specs keep their exact identity
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheSpec:

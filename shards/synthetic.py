@@ -109,8 +109,17 @@ def write_synthetic_cache(
 
     rng = np.random.default_rng(seed)
     rows = [synthetic_row(rng, spec, n, zipf=zipf) for n in lengths]
+    basis = None
+    if spec.is_basis:  # fitted on every row, as stage one fits on its sample
+        from dflash.shards.basis import SecondMoment, fit_basis, write_basis
+
+        moment = SecondMoment(spec.num_layers * spec.hidden_size)
+        for row in rows:
+            moment.add(row["features"])
+        basis = fit_basis(moment.matrix, moment.num_tokens, spec.feature_rank)
+        write_basis(cache_dir, basis)
     for rank in range(world_size):
-        writer = CacheWriter(cache_dir, spec, rank=rank, world_size=world_size)
+        writer = CacheWriter(cache_dir, spec, rank=rank, world_size=world_size, basis=basis)
         for index in range(rank, len(rows), world_size):
             writer.add(**rows[index], source={"file": source_file, "index": index})
         writer.close()

@@ -28,8 +28,9 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.shards import codecs, rows
+from dflash.shards.basis import BASIS_FILE, FeatureBasis
 from dflash.shards.files import fsync_dir, write_atomic, write_json_atomic
-from dflash.shards.spec import FORMAT_VERSION, CacheSpec
+from dflash.shards.spec import CacheSpec
 
 SHARDS_DIR = "shards"
 MANIFEST = "manifest.json"
@@ -211,7 +212,12 @@ class CacheWriter:
         *,
         background: bool = False,
         queue_rows: int = 2,
+        basis: FeatureBasis | None = None,
     ):
+        if basis is not None and not spec.is_basis:
+            raise ValueError(f"feature_codec {spec.feature_codec!r} stores raw features: pass no basis")
+        self.basis: FeatureBasis | None = None
+        self._basis_sha256: str | None = None
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         self.cache_dir = Path(cache_dir)
@@ -232,6 +238,8 @@ class CacheWriter:
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        if basis is not None:
+            self.use_basis(basis)
         if background:
             self._queue = queue.Queue(maxsize=queue_rows)
             self._thread = threading.Thread(target=self._worker, name=f"CacheWriter-{rank}", daemon=True)
@@ -260,10 +268,34 @@ class CacheWriter:
                     f"(fields {differ} differ); rerun with the original options or write to a "
                     "new cache directory"
                 )
-        write_json_atomic(
-            spec_path,
-            {"format_version": FORMAT_VERSION, "world_size": self.world_size, "spec": self.spec.to_dict()},
-        )
+            self._basis_sha256 = recorded.get("feature_basis_sha256")
+        self._write_spec_record()
+
+    def _write_spec_record(self) -> None:
+        record = {"format_version": self.spec.format_version, "world_size": self.world_size,
+                  "spec": self.spec.to_dict()}
+        if self._basis_sha256 is not None:
+            record["feature_basis_sha256"] = self._basis_sha256
+        write_json_atomic(self.shards_dir / _spec_name(self.rank), record)
+
+    def use_basis(self, basis: FeatureBasis) -> None:
+        """Set the basis rows are encoded with (basis codecs; before the first `add`). A resumed
+        rank must be given the basis its earlier rows were written with."""
+        spec = self.spec
+        if not spec.is_basis:
+            raise ValueError(f"feature_codec {spec.feature_codec!r} stores raw features: it takes no basis")
+        if (basis.input_width, basis.rank) != (spec.num_layers * spec.hidden_size, spec.feature_rank):
+            raise ValueError(f"the basis maps {basis.input_width} -> {basis.rank} values, the spec needs "
+                             f"{spec.num_layers * spec.hidden_size} -> {spec.feature_rank}")
+        digest = basis.sha256()
+        if self._basis_sha256 is not None and digest != self._basis_sha256:
+            raise ValueError(
+                f"{self.shards_dir / _spec_name(self.rank)}: this rank's rows were written with feature "
+                f"basis {self._basis_sha256}, this writer was given {digest}; resume with the cache's own "
+                f"{BASIS_FILE} or write to a new cache directory"
+            )
+        self.basis, self._basis_sha256 = basis, digest
+        self._write_spec_record()
 
     def _recover(self) -> tuple[int, set[tuple[str, int]], list[dict[str, Any]]]:
         """Keep this rank's recorded shards 0..n-1 whose files are intact; delete the rest."""
@@ -310,6 +342,8 @@ class CacheWriter:
         """
         self._raise_pending()
         key = self._claim(source)
+        if self.spec.is_basis and self.basis is None:
+            raise ValueError(f"feature_codec {self.spec.feature_codec!r}: call use_basis(basis) before add")
         row = validate_row(self.spec, source, tail_mass=tail_mass, **arrays)
         self._open_sources.add(key)
         self._submit(("row", row, {"file": key[0], "index": key[1]}))
@@ -331,7 +365,7 @@ class CacheWriter:
         write_json_atomic(
             self.shards_dir / _done_name(self.rank),
             {
-                "format_version": FORMAT_VERSION,
+                "format_version": self.spec.format_version,
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "num_shards": self._num_shards,
@@ -413,7 +447,7 @@ class CacheWriter:
         if kind == "reject":
             self._pending_rejects.append(payload)
             return
-        batch = rows.encode_row(self.spec, source=source, **payload)
+        batch = rows.encode_row(self.spec, source=source, basis=self.basis, **payload)
         if self._arrow is None:
             self._sink = pa.OSFile(str(self._tmp_path()), "wb")
             self._arrow = pa.ipc.new_file(
@@ -455,7 +489,7 @@ class CacheWriter:
             for name, size in row["column_bytes"].items():
                 column_bytes[name] = column_bytes.get(name, 0) + size
         record = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.spec.format_version,
             "rank": self.rank,
             "world_size": self.world_size,
             "shard": self._num_shards,
@@ -541,13 +575,16 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
     )
     source_files = sorted(set(sequences["source_file"]))
     file_ids = {name: i for i, name in enumerate(source_files)}
+    feature_basis = None
+    if spec.is_basis:
+        feature_basis = _basis_entry(cache_dir, shards_dir, world_size)
     column_bytes: dict[str, int] = {}
     for shard in shards:
         for name, size in shard["column_bytes"].items():
             column_bytes[name] = column_bytes.get(name, 0) + size
     manifest = {
         "format": "dflash-cache",
-        "format_version": FORMAT_VERSION,
+        "format_version": spec.format_version,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "spec": spec.to_dict(),
         "world_size": world_size,
@@ -559,6 +596,7 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
         "column_bytes": column_bytes,
         "rejected": REJECTED,
         "target_dir": TARGET_DIR,
+        **({"feature_basis": feature_basis} if feature_basis is not None else {}),
         "shards": shards,
         "source_files": source_files,
         "sequences": {
@@ -570,3 +608,19 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
     }
     write_atomic(cache_dir / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
     return open_cache(cache_dir)
+
+
+def _basis_entry(cache_dir: Path, shards_dir: Path, world_size: int) -> dict[str, Any]:
+    """The manifest's record of CACHE/feature_basis.safetensors, checked against the basis
+    every rank wrote its rows with."""
+    path = cache_dir / BASIS_FILE
+    basis = FeatureBasis.load(path)
+    digest = file_sha256(path)
+    for rank in range(world_size):
+        recorded = _read_json(shards_dir / _spec_name(rank)).get("feature_basis_sha256")
+        if recorded != digest:
+            raise ValueError(
+                f"rank {rank} wrote its rows with feature basis {recorded}, but {path} has sha256 "
+                f"{digest}; the cache mixes bases: rebuild it with --overwrite"
+            )
+    return {"path": BASIS_FILE, "sha256": digest, "num_bytes": path.stat().st_size, **basis.info()}

@@ -23,6 +23,7 @@ from dflash.shards import (
 )
 from dflash.shards import codecs
 from dflash.shards.rows import encode_row
+from dflash.shards.spec import READ_VERSIONS
 from dflash.shards.synthetic import synthetic_row, write_synthetic_cache
 
 LENGTHS = [5, 17, 1, 32, 9, 12, 3, 30, 8]
@@ -455,7 +456,7 @@ def test_unknown_format_version_is_refused(tmp_path):
     write(tmp_path, spec, make_rows(spec, lengths=[3]))
     _edit_manifest(tmp_path, lambda m: m.update(format_version=FORMAT_VERSION + 98))
     with pytest.raises(ValueError, match=rf"version {FORMAT_VERSION + 98}; this dflash reads version\(s\) "
-                                         rf"{FORMAT_VERSION}\. Upgrade dflash .* re-run dflash-precompute"):
+                                         rf"{', '.join(map(str, READ_VERSIONS))}\. Upgrade dflash .* re-run dflash-precompute"):
         open_cache(tmp_path)
 
 

@@ -236,6 +236,7 @@ class Corpus:
         self.spec = caches[0].spec
         for cache in caches[1:]:
             check_compatible(self.spec, cache.spec, cache)
+            check_same_basis(caches[0], cache)
         sizes = np.array([len(c) for c in caches], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # [num_caches + 1]
         self.lengths = np.concatenate([np.asarray(c.lengths, dtype=np.int64) for c in caches])  # [N]
@@ -288,6 +289,21 @@ class Corpus:
         return counts
 
 
+def check_same_basis(first, cache) -> None:
+    """Refuse to mix caches whose feature columns are in different bases (or one in none)."""
+    ours, theirs = first.spec, cache.spec
+    if (ours.is_basis or theirs.is_basis) and (
+            (ours.feature_codec, ours.feature_rank, first.feature_basis_sha256)
+            != (theirs.feature_codec, theirs.feature_rank, cache.feature_basis_sha256)):
+        def describe(c) -> str:
+            if not c.spec.is_basis:
+                return f"{c.root} stores raw {c.spec.feature_codec} features"
+            return (f"{c.root} stores {c.spec.feature_codec} coefficients of rank {c.spec.feature_rank} in "
+                    f"basis {c.feature_basis_sha256[:12]}")
+        raise ValueError(f"cannot train on these caches together: {describe(first)}, but {describe(cache)}; "
+                         "a drafter's fc reads one feature space: rebuild them with one basis (or use one cache)")
+
+
 def check_compatible(spec, other, cache) -> None:
     """Refuse to mix caches whose rows cannot train one drafter together."""
     for name in ("vocab_size", "hidden_size", "layer_ids", "top_k", "tokenizer_sha256"):
@@ -316,7 +332,7 @@ class Batch:
 
     segments: list[tuple[int, np.ndarray]]  # (context length, anchors [n]) per segment
     block_ids: torch.Tensor  # [Q] int64: x[a] then mask ids, block-major
-    context_features: torch.Tensor  # [C, L*H] bf16 (or float32 for fp8 caches, after scaling)
+    context_features: torch.Tensor  # [C, L*H] ([C, r] basis codecs) bf16 (or float32 for fp8 caches, after scaling)
     label_rows: torch.Tensor  # [N] int64, into the Q drafter rows
     label_positions: torch.Tensor  # [N] int64, block position k in 1..B-1
     topk_ids: torch.Tensor  # [N, k] int64
@@ -339,12 +355,13 @@ _TENSORS = ("block_ids", "context_features", "label_rows", "label_positions", "t
 
 
 def decode_features(raw, spec, stop: int) -> np.ndarray:
-    """Context features of positions [0, stop) of a raw row: [stop, L, H].
+    """Context features of positions [0, stop) of a raw row: [stop, L, H] ([stop, 1, r] for
+    basis codecs).
 
     bf16 caches: uint16 bit patterns (a copy out of the mapping); fp8: float32 after the
     per-token scales.
     """
-    if spec.feature_codec == "bf16":
+    if spec.feature_codec in ("bf16", "basis-bf16"):
         return np.array(raw.features[:stop])  # [stop, L, H] uint16 (bf16 bits)
     codes = torch.from_numpy(np.array(raw.features[:stop])).view(torch.float8_e4m3fn).float()
     scales = torch.from_numpy(np.array(raw.feature_scales[:stop], dtype=np.float32))  # a copy
@@ -393,15 +410,14 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         topk_logprobs.append(np.asarray(raw.topk_logprobs)[label_at])
         weights.append(weights_k[ks])
         row0 += anchors.shape[0] * B
-    L, H = corpus.spec.num_layers, corpus.spec.hidden_size
-    if corpus.spec.feature_codec == "bf16":
+    if corpus.spec.feature_codec in ("bf16", "basis-bf16"):
         context = torch.from_numpy(np.concatenate(features)).view(torch.bfloat16)
     else:
         context = torch.from_numpy(np.concatenate(features))
     batch = Batch(
         segments=layout_segments,
         block_ids=torch.from_numpy(np.concatenate(block_ids)),
-        context_features=context.reshape(-1, L * H),
+        context_features=context.reshape(context.shape[0], -1),  # [C, L*H] or [C, r]
         label_rows=torch.from_numpy(np.concatenate(label_rows).astype(np.int64)),
         label_positions=torch.from_numpy(np.concatenate(label_positions).astype(np.int64)),
         topk_ids=torch.from_numpy(np.concatenate(topk_ids).astype(np.int64)),

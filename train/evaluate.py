@@ -60,6 +60,7 @@ from dflash.shards.files import write_json_atomic
 from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.records import prompt_messages
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
+from dflash.train.basis import match_features
 from dflash.train.data import eligible_anchors
 from dflash.train.export import eval_results_path, load_drafter
 from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
@@ -547,6 +548,9 @@ def _device(name: str) -> torch.device:
 
 def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
     spec, c = cache.spec, drafter.config
+    if spec.feature_width != c.context_width or cache.feature_basis_sha256 != c.feature_basis_sha256:
+        raise ValueError(f"{cache.path}: cache features ({spec.feature_codec}, {spec.feature_width} per token) "
+                         f"are not what the drafter's fc reads ({c.context_width} per token)")
     if spec.layer_ids != c.target_layer_ids or spec.hidden_size != c.hidden_size or spec.vocab_size != c.vocab_size:
         raise ValueError(
             f"{cache.path}: cache has layers {spec.layer_ids}, hidden {spec.hidden_size}, vocabulary "
@@ -637,7 +641,9 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
 
     run_fingerprint = read_run_info(config.run).get("target_fingerprint") if config.run else None
     warnings = result["warnings"] = []
+    fit_caches = (loaded.fit_config or {}).get("cache") or []
     if selection:
+        drafter = match_features(drafter, selection[0][0], fit_caches)  # folds a basis for raw features
         for cache, _ in selection:
             _check_cache(cache, drafter)
             warnings.append(check_same_target(f"--cache {cache.path}", cache_fingerprint(cache), run_fingerprint,
@@ -677,7 +683,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                              + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
         head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                           lm_head=target.get_output_embeddings().weight.detach())
-        proposer = DrafterProposer(drafter.to(dtype), head)
+        proposer = DrafterProposer(match_features(drafter, None, fit_caches).to(dtype), head)
         bar = tqdm(total=len(prompts), desc="online", unit="prompt", disable=not show_progress)
 
         def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:

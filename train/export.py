@@ -393,6 +393,10 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         target = TargetInfo.load(Path(caches[0]) / "target")
         token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step))
+    if loaded.drafter.config.feature_width is not None:  # trained on basis coefficients: fold the basis in
+        from dflash.train.basis import basis_of_caches, fold_basis
+
+        loaded.drafter = fold_basis(loaded.drafter, basis_of_caches(caches, loaded.drafter.config.feature_basis_sha256))
     try:
         return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
                             token_ids=token_ids, card=card)

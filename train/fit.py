@@ -267,6 +267,9 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main)
     drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model)
+    if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
+        drafter_config = dataclasses.replace(drafter_config, feature_width=corpus.spec.feature_width,
+                                             feature_basis_sha256=caches[0].feature_basis_sha256)
     config = dataclasses.replace(
         config, model=dataclasses.replace(config.model, mask_token_id=drafter_config.mask_token_id))
     held_out = held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed)

@@ -80,6 +80,11 @@ class DrafterConfig:
     """Longest position the drafter is meant for (recorded for export; RoPE has no table)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of linear weights."""
+    feature_width: int | None = None
+    """Width of the context features fc reads: None for raw target features (L*H); r when
+    trained on a basis cache's coefficients (export folds the basis back into fc)."""
+    feature_basis_sha256: str | None = None
+    """The basis the coefficients are in (its file's sha256), when feature_width is set."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -102,7 +107,16 @@ class DrafterConfig:
                 f"DrafterConfig.mask_token_id {self.mask_token_id} is not a row of the target's "
                 f"embedding (vocab_size {self.vocab_size}): pick an id in [0, {self.vocab_size})"
             )
+        if (self.feature_width is None) != (self.feature_basis_sha256 is None) or (
+                self.feature_width is not None and self.feature_width < 1):
+            raise ValueError("DrafterConfig.feature_width (>= 1) and feature_basis_sha256 go together: set "
+                             f"both or neither, got {self.feature_width!r} and {self.feature_basis_sha256!r}")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    @property
+    def context_width(self) -> int:
+        """Input width of fc: feature_width, or L*H raw target features."""
+        return self.feature_width or len(self.target_layer_ids) * self.hidden_size
 
     @property
     def num_target_features(self) -> int:
@@ -110,7 +124,10 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["feature_width"] is None:  # raw-feature drafters keep their exact config
+            del data["feature_width"], data["feature_basis_sha256"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> DrafterConfig:
@@ -507,7 +524,7 @@ class DFlashDrafter(nn.Module):
         c = config
         self.layers = nn.ModuleList([DrafterLayer(c) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.fc = nn.Linear(c.num_target_features * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(c.context_width, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.reset_parameters()
 

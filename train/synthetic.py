@@ -55,13 +55,14 @@ def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int],
                                    num_layers: int = 6, top_k: int = 4, num_attention_heads: int = 4,
                                    num_key_value_heads: int = 2, head_dim: int = 8,
                                    intermediate_size: int = 64, feature_codec: str = "bf16",
+                                   feature_rank: int | None = None,
                                    seed: int = 0, zipf: bool = False):
     """A finalized cache of random rows plus its target/ folder; returns the open Cache."""
     from dflash.shards import CacheSpec
     from dflash.shards.synthetic import write_synthetic_cache
 
     spec = CacheSpec(vocab_size=vocab_size, hidden_size=hidden_size, layer_ids=list(layer_ids),
-                     top_k=top_k, feature_codec=feature_codec, max_length=int(np.max(lengths)),
+                     top_k=top_k, feature_codec=feature_codec, feature_rank=feature_rank, max_length=int(np.max(lengths)),
                      target={"name": "synthetic", "model_type": "qwen3", "num_layers": num_layers,
                              "config_sha256": "synthetic", "dtype": "bfloat16"})
     cache = write_synthetic_cache(cache_dir, spec, lengths, seed=seed, zipf=zipf)

@@ -1,0 +1,115 @@
+"""Stage one with a basis codec: the basis is fitted before any row from the run's first
+records, reused on resume, and the same (to float rounding) on two ranks as on one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_precompute import RECORDS, config
+from test_precompute_dist import ENV, KILLED_RUN
+from test_precompute_support import build_target, write_jsonl
+
+from dflash.precompute.basis import sample_positions
+from dflash.precompute.run import run_precompute
+from dflash.shards import open_cache, verify_cache
+from dflash.shards.basis import BASIS_FILE
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CODEC = dict(feature_codec="basis-fp8", feature_rank=24, basis_sample_tokens=200, shard_max_rows=2)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_target("qwen3", tmp_path_factory.mktemp("target") / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", RECORDS)
+
+
+@pytest.fixture(scope="module")
+def one_rank(target, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "cache"
+    run_precompute(config(target, data, out, **CODEC))
+    return open_cache(out)
+
+
+def test_sample_is_the_first_records():
+    assert sample_positions([(5, 10), (0, 50), (2, 100), (7, 1)], 120) == {0, 2}
+    assert sample_positions([(3, 10)], 1000) == {3}
+
+
+def test_basis_cache_is_fitted_and_verifies(one_rank):
+    cache = one_rank
+    basis = cache.load_feature_basis()
+    assert cache.spec.feature_codec == "basis-fp8" and cache.spec.feature_rank == 24 == basis.rank
+    assert basis.input_width == cache.spec.num_layers * cache.spec.hidden_size
+    assert 200 <= basis.num_tokens < cache.num_tokens  # the sample, not the whole cache
+    assert cache.manifest["feature_basis"]["sha256"] == cache.feature_basis_sha256
+    assert cache[0].features.shape == (cache.lengths[0], 1, 24)
+    assert verify_cache(cache.root)["ok"]
+
+
+def projector(cache) -> np.ndarray:
+    p = cache.load_feature_basis().projection.astype(np.float64)
+    return p @ p.T
+
+
+def test_two_ranks_fit_the_same_basis(target, data, tmp_path, one_rank):
+    run_precompute(config(target, data, tmp_path / "cache", nproc=2, **CODEC))
+    two = open_cache(tmp_path / "cache")
+    assert two.manifest["world_size"] == 2
+    ours, theirs = two.load_feature_basis(), one_rank.load_feature_basis()
+    assert ours.num_tokens == theirs.num_tokens
+    np.testing.assert_allclose(ours.eigenvalues, theirs.eigenvalues, rtol=1e-5, atol=1e-9 * theirs.eigenvalues[0])
+    np.testing.assert_allclose(projector(two), projector(one_rank), atol=1e-4)
+    by_source = {(two.source(i)["file"], two.source(i)["index"]): two[i] for i in range(len(two))}
+    for i in range(len(one_rank)):
+        seq = one_rank[i]
+        other = by_source[(one_rank.source(i)["file"], one_rank.source(i)["index"])]
+        scale = np.abs(seq.features).max()
+        np.testing.assert_allclose(other.features, seq.features, atol=2**-3 * scale)
+
+
+def test_kill_then_resume_reuses_the_basis(target, data, tmp_path, one_rank):
+    options = dataclasses.asdict(config(target, data, tmp_path / "cache", **CODEC))
+    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
+    options["data"] = [str(p) for p in options["data"]]
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "3"], env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    written = (tmp_path / "cache" / BASIS_FILE).read_bytes()
+    run_precompute(config(target, data, tmp_path / "cache", **CODEC))
+    cache = open_cache(tmp_path / "cache")
+    assert (tmp_path / "cache" / BASIS_FILE).read_bytes() == written
+    assert cache.feature_basis_sha256 == one_rank.feature_basis_sha256
+    assert [s["sha256"] for s in cache.manifest["shards"]] == [s["sha256"] for s in one_rank.manifest["shards"]]
+
+
+def test_overwrite_refits_and_a_foreign_basis_is_refused(target, data, tmp_path, one_rank):
+    out = tmp_path / "cache"
+    run_precompute(config(target, data, out, **CODEC))
+    (out / BASIS_FILE).write_bytes((one_rank.root / BASIS_FILE).read_bytes())  # same basis: fine
+    other = config(target, data, out, **{**CODEC, "basis_sample_tokens": 50})
+    run_precompute(dataclasses.replace(other, overwrite=True))
+    assert open_cache(out).load_feature_basis().num_tokens < one_rank.load_feature_basis().num_tokens
+
+
+def test_regenerated_sample_is_reused_not_regenerated(target, data, tmp_path):
+    options = dict(regenerate=True, max_new_tokens=6, limit=5)
+    raw = run_precompute(config(target, data, tmp_path / "raw", **options))
+    summary = run_precompute(config(target, data, tmp_path / "basis", **options, **CODEC))
+    assert summary.regenerated_replies == raw.regenerated_replies  # each reply generated once
+    a, b = open_cache(tmp_path / "raw"), open_cache(tmp_path / "basis")
+    assert a.manifest["sequences"] == b.manifest["sequences"]
+    for i in range(len(a)):
+        np.testing.assert_array_equal(a[i].input_ids, b[i].input_ids)
+        np.testing.assert_array_equal(a[i].loss_mask, b[i].loss_mask)
