@@ -8,6 +8,7 @@ import json
 import click
 
 from dflash.precompute.regenerate import RegenerateConfig, ServerGone, run_regenerate
+from dflash.shards.commands import DflashCommand, version_option
 
 
 def parse_template_kwargs(ctx, param, value: str | None) -> dict:
@@ -23,7 +24,8 @@ def parse_template_kwargs(ctx, param, value: str | None) -> dict:
     return parsed
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@version_option
 @click.option("--data", type=click.Path(path_type=str), multiple=True, required=True,
               help="JSONL (.jsonl.zst too), JSON, Parquet or datasets directory; repeat for several.")
 @click.option("--out", type=click.Path(path_type=str), required=True,
@@ -50,14 +52,11 @@ def main(as_json: bool, **options) -> None:
     options["data"] = list(options["data"])
     options["servers"] = list(options["servers"])
     try:
-        config = RegenerateConfig(**options)
-        summary = run_regenerate(config)
+        summary = run_regenerate(RegenerateConfig(**options))
     except ServerGone as error:
         raise click.ClickException(
             f"{error}. The records written so far are kept: restart the server(s) and rerun the "
             "same command to resume") from None
-    except (ValueError, OSError) as error:
-        raise click.ClickException(str(error)) from None
     click.echo(json.dumps(summary.to_dict()) if as_json else summary.format())
 
 
