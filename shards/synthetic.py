@@ -82,13 +82,8 @@ def synthetic_row(
     input_ids[1:] = np.where(in_topk, topk_ids[np.arange(num_tokens - 1), pick], input_ids[1:])
     loss_mask = np.zeros(num_tokens, dtype=bool)  # [T]: a prompt, then the reply
     loss_mask[num_tokens // 3:] = True
-    return {
-        "input_ids": input_ids,
-        "loss_mask": loss_mask,
-        "features": features,
-        "topk_ids": topk_ids,
-        "topk_logprobs": topk_logprobs,
-    }
+    return dict(input_ids=input_ids, loss_mask=loss_mask, features=features, topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs)
 
 
 def write_synthetic_cache(

@@ -599,18 +599,9 @@ def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.devic
     return model, tokenizer, stop
 
 
-def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any]:
-    """Evaluate as `config` says; returns the figures (offline keys at top level, online ones
-    under "online") and saves them to RUN/eval/<checkpoint>.json when asked."""
-    from tqdm import tqdm
-
-    device = _device(config.device)
-    loaded = load_drafter(config.run, config.checkpoint, device=device)
-    drafter = loaded.drafter.eval()
-    block_size = config.block_size or drafter.config.block_size
-    result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
-
-    # Which sequences (offline) and which prompt records (online).
+def _select(config: EvalConfig, loaded) -> tuple[list[tuple[Any, list[int]]], set | None]:
+    """Which sequences to score offline ([(cache, indices)]) and, online with a cache, which
+    prompt records to keep (their record keys; None: the first `limit` of the file)."""
     selection: list[tuple[Any, list[int]]] = []
     if config.cache is not None or not config.online:
         if loaded.fit_config is not None:
@@ -638,6 +629,21 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             limited.append((cache, indices[:remaining]))
             remaining -= len(limited[-1][1])
         selection = limited
+    return selection, keep
+
+
+def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Evaluate as `config` says; returns the figures (offline keys at top level, online ones
+    under "online") and saves them to RUN/eval/<checkpoint>.json when asked."""
+    from tqdm import tqdm
+
+    device = _device(config.device)
+    loaded = load_drafter(config.run, config.checkpoint, device=device)
+    drafter = loaded.drafter.eval()
+    block_size = config.block_size or drafter.config.block_size
+    result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
+
+    selection, keep = _select(config, loaded)
 
     run_fingerprint = read_run_info(config.run).get("target_fingerprint") if config.run else None
     warnings = result["warnings"] = []
@@ -701,13 +707,18 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
 
     result["warnings"] = [w for w in dict.fromkeys(warnings) if w is not None]
     if config.save and config.run is not None:
-        path = eval_results_path(Path(config.run), loaded.checkpoint)
-        saved = json.loads(path.read_text()) if path.is_file() else {}
-        saved.update(result)  # an offline-only call keeps the checkpoint's earlier online figures
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, saved, indent=1, sort_keys=False)
-        result["saved_to"] = str(path)
+        result["saved_to"] = str(_save_result(eval_results_path(Path(config.run), loaded.checkpoint), result))
     return result
+
+
+def _save_result(path: Path, result: dict[str, Any]) -> Path:
+    """Merge `result` into RUN/eval/<checkpoint>.json: an offline-only call keeps the
+    checkpoint's earlier online figures."""
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    saved.update(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, saved, indent=1, sort_keys=False)
+    return path
 
 
 def format_report(result: dict[str, Any]) -> str:
