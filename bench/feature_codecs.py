@@ -208,8 +208,8 @@ def tau_runs(caches: list[dict], work: Path, seeds: list[int], codecs: list[str]
             cache = by_name[name]["path"]
             run = work / "runs" / f"{slug(name)}-s{seed}"
             began = time.perf_counter()
-            fit(FitConfig(cache=[cache], out=str(run), seed=seed, **{**DEMO_FIT, "max_steps": max_steps,
-                                                                     "checkpoint_every": max_steps}))
+            fit(FitConfig.from_dict({"cache": [cache], "out": str(run), "seed": seed, **DEMO_FIT,
+                                     "max_steps": max_steps, "checkpoint_every": max_steps}))
             fit_s = time.perf_counter() - began
             torch.manual_seed(0)
             offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)

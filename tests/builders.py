@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -286,3 +287,26 @@ def loss_and_grads(fn, hidden, weight, grad_weight=False, grad_output=None):
 def rel_err(a, b):
     """max |a - b| / max |b|: one scalar per tensor, insensitive to tiny entries."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+# Subprocesses run on one thread each: results are then bitwise reproducible across
+# processes, and two ranks share the CI's two cores.
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+KILLED_RUN = """
+import json, os, signal, sys
+from dflash.shards import CacheWriter
+from dflash.precompute.run import PrecomputeConfig, run_precompute
+
+options, kill_after = json.loads(sys.argv[1]), int(sys.argv[2])
+add, count = CacheWriter.add, [0]
+
+def add_then_die(self, **row):
+    count[0] += 1
+    if count[0] > kill_after:  # mid-shard, rows of the open shard not yet sealed
+        os.kill(os.getpid(), signal.SIGKILL)
+    add(self, **row)
+
+CacheWriter.add = add_then_die
+run_precompute(PrecomputeConfig(**options))
+"""

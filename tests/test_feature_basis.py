@@ -173,9 +173,9 @@ def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
                                                  feature_codec="basis-bf16", feature_rank=24)
     write_synthetic_training_cache(tmp_path / "raw", lengths=lengths, seed=1)
     run = tmp_path / "run"
-    fit(FitConfig(cache=[str(tmp_path / "basis")], out=str(run), num_layers=1, block_size=4, anchors_per_seq=6,
-                  epochs=1, tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.2,
-                  wandb=False, log_every=1))
+    fit(FitConfig.from_dict(dict(cache=[str(tmp_path / "basis")], out=str(run), num_layers=1, block_size=4,
+                                 anchors_per_seq=6, epochs=1, tokens_per_step=96, checkpoint_every=100,
+                                 eval_every=0, eval_fraction=0.2, wandb=False, log_every=1)))
     config = json.loads((run / "drafter_config.json").read_text())
     assert config["feature_width"] == 24 and config["feature_basis_sha256"] == basis_cache.feature_basis_sha256
     offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)

@@ -20,29 +20,8 @@ from click.testing import CliRunner
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
-from tests.builders import RECORDS, build_target, precompute_config, write_jsonl
+from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config, write_jsonl
 
-# Subprocesses run on one thread each: results are then bitwise reproducible across
-# processes, and two ranks share the CI's two cores.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-KILLED_RUN = """
-import json, os, signal, sys
-from dflash.shards import CacheWriter
-from dflash.precompute.run import PrecomputeConfig, run_precompute
-
-options, kill_after = json.loads(sys.argv[1]), int(sys.argv[2])
-add, count = CacheWriter.add, [0]
-
-def add_then_die(self, **row):
-    count[0] += 1
-    if count[0] > kill_after:  # mid-shard, rows of the open shard not yet sealed
-        os.kill(os.getpid(), signal.SIGKILL)
-    add(self, **row)
-
-CacheWriter.add = add_then_die
-run_precompute(PrecomputeConfig(**options))
-"""
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
