@@ -1,9 +1,17 @@
-"""Regeneration throughput: a local `transformers serve` through dflash-regenerate at
-concurrency 1, 2, 4, 8 against in-process greedy generation (what `dflash-precompute
---regenerate` runs), on the embedded default's prompts (SmolLM2-135M-Instruct, chitchat)
-on CPU in float32, and the share of server replies identical to in-process greedy ones.
+"""Regeneration throughput on the embedded default's prompts (SmolLM2-135M-Instruct,
+chitchat, CPU, float32, greedy): the server path (dflash-regenerate against a local
+`transformers serve`) at concurrency 1, 2, 4, 8, against stage one's own in-process path (a
+real `dflash-precompute --regenerate` run: prompts batched by length, left-padded,
+`generate`), and the share of server replies identical to the replies that run cached.
 
-    python -m bench.regenerate [--num-prompts 24] [--max-new-tokens 48] [--json]
+    python -m bench.regenerate [--num-prompts 24] [--max-new-tokens 48] [--threads 1] [--json]
+
+The in-process rows: "generate" times stage one's generation calls only (its summary's
+generate_s, the work the server does), "whole run" the whole dflash-precompute run (target
+load, tokenizing, generation, the capturing forward, writing the cache). The server rows
+time dflash-regenerate against a server already started and warmed by one request. New
+tokens: in-process, the cached reply tokens (the loss mask: each reply's tokens plus the
+end-of-turn token it generated); server, the completion tokens the server reports.
 
 Human table; with --json, one JSON object as the last line.
 """
@@ -12,71 +20,108 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def in_process(target: Path, records: list[dict], max_new_tokens: int) -> tuple[list[str], float, int]:
-    """Greedy replies to each record's first user turn, one prompt at a time (float32, CPU)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prompts_file(work_dir: Path, num_prompts: int, out: Path) -> Path:
+    """The first `num_prompts` records of the demo's chitchat.jsonl (prepared when absent)."""
+    from demo.prepare import prepare_chitchat
 
+    source = prepare_chitchat(work_dir / "chitchat.jsonl", limit=256, max_turns=2)
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:num_prompts]
+    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return out
+
+
+def in_process(target: Path, data: Path, out: Path, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """A real stage-one run with --regenerate; its timing and the replies it cached (in input order)."""
+    from transformers import AutoTokenizer
+
+    from dflash.precompute.run import PrecomputeConfig, run_precompute
+    from dflash.shards import open_cache
+
+    summary = run_precompute(PrecomputeConfig(
+        target=target, data=[data], out=out, regenerate=True, max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length, device="cpu", dtype="float32", progress=False))
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    replies, new_tokens = [], 0
-    began = time.perf_counter()
-    for record in records:
-        ids = tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
-        with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        reply = out[0, ids["input_ids"].shape[1]:]
-        new_tokens += len(reply)
-        replies.append(tokenizer.decode(reply, skip_special_tokens=True))
-    return replies, time.perf_counter() - began, new_tokens
+    cache = open_cache(out)
+    replies: dict[int, str] = {}
+    new_tokens = 0
+    for i in range(len(cache)):
+        row = cache.raw(i)
+        mask = row.loss_mask.astype(bool)
+        new_tokens += int(mask.sum())
+        replies[int(row.source["index"])] = tokenizer.decode(row.input_ids[mask].tolist(), skip_special_tokens=True)
+    cache.close()
+    num = summary.regenerated_replies
+    timing = {"generate_s": summary.generate_s, "wall_s": summary.wall_s, "records": num,
+              "new_tokens": new_tokens, "cut": summary.cut_replies}
+    return timing, [replies[i] for i in sorted(replies)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-length", type=int, default=256, help="the demo's --max-length")
     parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of both sides (1: on a shared CPU more threads spin on busy cores)")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".demo")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from demo.prepare import chitchat_records, prepare_smollm2
+    import torch
+
+    from demo.prepare import prepare_smollm2
     from dflash.precompute.local_server import local_server
     from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 
+    torch.set_num_threads(args.threads)
     target = prepare_smollm2(args.work_dir)
-    records = [{"messages": r["messages"][:2]} for r in chitchat_records(limit=args.num_prompts, max_turns=2)]
-    reference, ref_s, ref_tokens = in_process(target, records, args.max_new_tokens)
-    rows = [{"path": "in-process", "concurrency": 1, "records_per_s": len(records) / ref_s,
-             "new_tokens_per_s": ref_tokens / ref_s, "identical": 1.0}]
-    with tempfile.TemporaryDirectory() as tmp, local_server(target, log=Path(tmp) / "serve.log") as url:
-        data = Path(tmp) / "in.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in records))
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            out = Path(tmp) / f"out{concurrency}.jsonl"
-            summary = run_regenerate(RegenerateConfig(data=[data], out=out, servers=[url], progress=False,
-                                                      max_new_tokens=args.max_new_tokens, concurrency=concurrency))
-            replies = [json.loads(line)["messages"][1]["content"] for line in out.read_text().splitlines()]
-            same = sum(a == b for a, b in zip(replies, reference)) / len(reference)
-            rate = summary.to_dict()
-            rows.append({"path": "transformers serve", "concurrency": concurrency,
-                         "records_per_s": rate["records_per_s"], "new_tokens_per_s": rate["new_tokens_per_s"],
-                         "identical": same})
-    print(f"{'path':<20} {'conc.':>5} {'records/s':>10} {'new tok/s':>10} {'identical':>10}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = prompts_file(args.work_dir, args.num_prompts, tmp / "prompts.jsonl")
+        timing, reference = in_process(target, data, tmp / "cache", args)
+        for path, seconds in (("in-process, generate", timing["generate_s"]),
+                              ("in-process, whole run", timing["wall_s"])):
+            rows.append({"path": path, "concurrency": None, "records_per_s": timing["records"] / seconds,
+                         "new_tokens_per_s": timing["new_tokens"] / seconds, "seconds": seconds,
+                         "new_tokens": timing["new_tokens"], "cut": timing["cut"], "identical": 1.0})
+        with local_server(target, threads=args.threads, log=tmp / "serve.log") as url:
+            run_regenerate(RegenerateConfig(data=[data], out=tmp / "warmup.jsonl", servers=[url], limit=1,
+                                            progress=False, max_new_tokens=args.max_new_tokens))
+            for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                out = tmp / f"out{concurrency}.jsonl"
+                summary = run_regenerate(RegenerateConfig(
+                    data=[data], out=out, servers=[url], progress=False,
+                    max_new_tokens=args.max_new_tokens, concurrency=concurrency))
+                records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+                replies = [r["messages"][-1]["content"] for r in records]
+                assert len(replies) == len(reference), (len(replies), len(reference))
+                same = sum(a == b for a, b in zip(replies, reference)) / len(reference)
+                rate = summary.to_dict()
+                rows.append({"path": "transformers serve", "concurrency": concurrency,
+                             "records_per_s": rate["records_per_s"], "new_tokens_per_s": rate["new_tokens_per_s"],
+                             "seconds": summary.wall_s, "new_tokens": summary.new_tokens,
+                             "cut": summary.cut_replies, "identical": same})
+    print(f"{args.num_prompts} chitchat prompts, {args.max_new_tokens} new tokens at most, greedy, float32, "
+          f"{args.threads} torch thread(s) per side")
+    print(f"{'path':<22} {'conc.':>5} {'seconds':>8} {'records/s':>10} {'new tok':>8} {'new tok/s':>10} "
+          f"{'cut':>4} {'identical':>10}")
     for row in rows:
-        print(f"{row['path']:<20} {row['concurrency']:>5} {row['records_per_s']:>10.2f} "
-              f"{row['new_tokens_per_s']:>10.1f} {row['identical']:>10.0%}")
+        conc = "-" if row["concurrency"] is None else str(row["concurrency"])
+        print(f"{row['path']:<22} {conc:>5} {row['seconds']:>8.1f} {row['records_per_s']:>10.2f} "
+              f"{row['new_tokens']:>8} {row['new_tokens_per_s']:>10.1f} {row['cut']:>4} {row['identical']:>10.0%}")
     if args.json:
-        print(json.dumps({"num_prompts": len(records), "max_new_tokens": args.max_new_tokens, "rows": rows}))
+        print(json.dumps({"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                          "threads": args.threads, "rows": rows}))
 
 
 if __name__ == "__main__":
