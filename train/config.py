@@ -63,9 +63,11 @@ class DataConfig:
     anchors_per_seq: int = 512
     """Blocks per sequence per epoch (capped by the sequence's eligible positions)."""
     epochs: int = 6
-    """Passes over the training sequences (each with freshly drawn anchors)."""
+    """Passes over the training sequences (each with freshly drawn anchors); max_steps, when
+    set, overrides it."""
     max_steps: int | None = None
-    """Train at most this many steps; the learning-rate schedule then spans them."""
+    """Train exactly this many steps, overriding epochs (more passes when the data is short, as
+    the Hugging Face Trainer); the learning-rate schedule spans them."""
     tokens_per_step: int = 131072
     """Block tokens (anchors x block size) per optimizer step, over all ranks together."""
     seed: int = 0
