@@ -50,7 +50,9 @@ class ModelConfig:
     block_size: int = 16
     """Tokens per block: the anchor and block_size - 1 predictions."""
     mask_token_id: int | None = field(default=None, metadata=AUTO)
-    """Mask token id; auto: the target's mask token, else its pad token, else its eos token."""
+    """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
+    tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
+    pad or bos token)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers")
