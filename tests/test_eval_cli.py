@@ -88,7 +88,8 @@ def test_export_cli_carries_the_measured_tau(synthetic_run, tmp_path):
     _, run = synthetic_run
     runner = CliRunner()
     figures = last_json(runner.invoke(main, ["eval", "--run", str(run), "--json"]).output)
-    result = runner.invoke(main, ["export", "--run", str(run), "--out", str(tmp_path / "export")])
+    result = runner.invoke(main, ["export", "--run", str(run), "--out", str(tmp_path / "export"),
+                                  "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     card = (tmp_path / "export" / "README.md").read_text()
     assert f"| {figures['acceptance_length']:.3f} |" in card

@@ -76,13 +76,15 @@ def train_forward(model: DFlashDrafter, seed: int) -> torch.Tensor:
 
 
 def test_config_has_the_dflash_and_qwen3_fields(drafter, tmp_path):
-    out = write_export(drafter, tmp_path / "draft", token_ids={"eos_token_id": 2, "pad_token_id": None})
+    out = write_export(drafter, tmp_path / "draft", dtype=torch.float32,
+                       token_ids={"eos_token_id": 2, "pad_token_id": None})
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["model_type"] == "qwen3"
     assert config["block_size"] == 8
     assert config["num_target_layers"] == 10
-    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 7], "mask_token_id": V - 2}
+    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 7], "mask_token_id": V - 2, "block_size": 8,
+                                       "causal": False, "use_swa": False}
     expected = {"hidden_size": H, "intermediate_size": 48, "num_hidden_layers": LAYERS,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": V,
                 "rms_norm_eps": 1e-5, "rope_theta": 50_000.0, "max_position_embeddings": 2048,
@@ -118,14 +120,14 @@ def test_weights_carry_zlab_names_and_no_embedding(drafter, tmp_path):
 
 @pytest.mark.parametrize("forward", [block_logits, train_forward])
 def test_round_trip_gives_identical_outputs(drafter, tmp_path, forward):
-    out = write_export(drafter, tmp_path / "draft")
+    out = write_export(drafter, tmp_path / "draft", dtype=torch.float32)
     reloaded = load_exported(out).eval()
     assert reloaded.config == drafter.config
     torch.testing.assert_close(forward(reloaded, 5), forward(drafter, 5), rtol=0, atol=0)
 
 
 def test_bfloat16_export_is_close(drafter, tmp_path):
-    out = write_export(drafter, tmp_path / "draft", dtype=torch.bfloat16)
+    out = write_export(drafter, tmp_path / "draft")  # bfloat16 by default: what engines serve
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("layers.0.mlp.up_proj.weight").dtype == torch.bfloat16
@@ -170,6 +172,7 @@ def test_zlab_style_config_is_read(tmp_path):
 @pytest.mark.parametrize("change, field", [
     ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 3, "causal": True}}, "causal"),
     ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
 ])
 def test_unsupported_checkpoints_are_refused(change, field):
@@ -204,7 +207,7 @@ def fake_run(tmp_path, drafter: DFlashDrafter, *, with_eval: bool):
 @pytest.mark.parametrize("with_eval", [True, False])
 def test_export_run_writes_card_and_reloads(drafter, tmp_path, with_eval):
     run = fake_run(tmp_path, drafter, with_eval=with_eval)
-    out = export_run(run, tmp_path / "export")
+    out = export_run(run, tmp_path / "export", dtype="float32")
     card = (out / "README.md").read_text()
     assert "tiny-target" in card and '"seed": 3' in card and "step 42" in card
     if with_eval:

@@ -96,10 +96,12 @@ def test_an_unreadable_file_is_named(tmp_path, content, message):
 
 
 @pytest.mark.parametrize("fields,expected", [
-    ({"mask_token_id": 49}, 49), ({}, 0), ({"pad_token_id": None}, 2),
-    ({"pad_token_id": None, "eos_token_id": 9}, 9),
+    ({"mask_token_id": 49}, 49), ({}, 49), ({"mask_token_id": 2}, 49),
+    ({"eos_token_id": [49, 2], "pad_token_id": 48}, 47),
 ])
 def test_the_mask_token_follows_target_json(fields, expected):
+    """Without tokenizer files: target.json's mask token unless it is a stop, pad or bos token,
+    else the highest row that is none of them (tests/test_mask_token.py has the full rule)."""
     assert choose_mask_token_id(TargetInfo(**{**V1_FILE, **fields})) == expected
 
 
@@ -111,5 +113,5 @@ def test_the_synthetic_target_writes_a_complete_target_json(tmp_path, dtype):
     info = TargetInfo.load(tmp_path / "target")
     assert info.dtype == str(dtype).removeprefix("torch.") and info.eos_token_id == 63
     config = DrafterConfig.from_target(tmp_path / "target", num_hidden_layers=1, block_size=4)
-    assert (config.target_layer_ids, config.num_target_layers, config.mask_token_id) == ([0, 2, 4], 6, 63)
+    assert (config.target_layer_ids, config.num_target_layers, config.mask_token_id) == ([0, 2, 4], 6, 62)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]

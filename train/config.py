@@ -51,7 +51,9 @@ class ModelConfig:
     block_size: int = 16
     """Tokens per block: the anchor and block_size - 1 predictions."""
     mask_token_id: int | None = field(default=None, metadata=AUTO)
-    """Mask token id; auto: the target's mask token, else its pad token, else its eos token."""
+    """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
+    tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
+    pad or bos token)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers")
@@ -64,9 +66,11 @@ class DataConfig:
     anchors_per_seq: int = 512
     """Blocks per sequence per epoch (capped by the sequence's eligible positions)."""
     epochs: int = 6
-    """Passes over the training sequences (each with freshly drawn anchors)."""
+    """Passes over the training sequences (each with freshly drawn anchors); max_steps, when
+    set, overrides it."""
     max_steps: int | None = None
-    """Train at most this many steps; the learning-rate schedule then spans them."""
+    """Train exactly this many steps, overriding epochs (more passes when the data is short, as
+    the Hugging Face Trainer); the learning-rate schedule spans them."""
     tokens_per_step: int = 131072
     """Block tokens (anchors x block size) per optimizer step, over all ranks together."""
     seed: int = 0

@@ -11,13 +11,16 @@ engines that adopted its format read:
   `target_layer_ids` (the target decoder layers whose outputs feed the drafter, in feature
   order; Hugging Face `hidden_states[id + 1]`) and `mask_token_id` (a row of the target's
   embedding).
-- `model.safetensors`: the drafter's parameters under z-lab's names (`fc.weight`,
+- `model.safetensors`: the drafter's parameters in bfloat16 by default (`--dtype`), under z-lab's names (`fc.weight`,
   `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
   `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
   `layers.N.{input,post_attention}_layernorm.weight`). No embedding and no LM head: the
   drafter borrows the target's, frozen.
 - `README.md`: a model card with the training config, the cache it was trained from and
   the acceptance length measured by `dflash-train eval` for this checkpoint, when there is one.
+
+Every file is readable as the user's umask allows (0644 by default), so a serving process
+running as another user can load it.
 
 No `auto_map`: the folder ships no modelling code, so `AutoModel` with trust_remote_code
 cannot load it; load it with z-lab's class (or a serving engine), as their checkpoints are.
@@ -40,11 +43,14 @@ import torch
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
-from dflash.train.checkpoint import latest_checkpoint
+from dflash.train.checkpoint import latest_checkpoint, publish_readable
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 ARCHITECTURE = "DFlashDraftModel"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# What serving engines run drafters in; float16 is offered but has collapsed acceptance in
+# some engines (the target features overflow it).
+DEFAULT_EXPORT_DTYPE = "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,9 +68,14 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
+        # Read by z-lab's DFlashDraftModel (target_layer_ids, mask_token_id), vLLM's DFlash
+        # loader (also causal and use_swa) and SGLang's (block_size here or top-level).
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
+            "block_size": config.block_size,
+            "causal": False,
+            "use_swa": False,
         },
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -108,6 +119,8 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         raise ValueError(f"{where}: architectures is {data.get('architectures')!r}, not [{ARCHITECTURE!r}]")
     unsupported = {
         "attention_bias": bool(data.get("attention_bias")),
+        "dflash_config.causal": bool(dflash.get("causal")),
+        "dflash_config.use_swa": bool(dflash.get("use_swa")),
         "layer_types": any(t != "full_attention" for t in data.get("layer_types") or []),
         "rope_parameters.rope_type": (data.get("rope_parameters") or {}).get("rope_type", "default") != "default",
         "is_causal": bool(data.get("is_causal")),
@@ -174,9 +187,10 @@ def _load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where:
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype | None = None,
+def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype = DTYPES[DEFAULT_EXPORT_DTYPE],
                  token_ids: dict[str, Any] | None = None, card: str | None = None) -> Path:
-    """Write the folder: config.json, model.safetensors, README.md (when `card` is given).
+    """Write the folder: config.json, model.safetensors in `dtype`, README.md (when `card`
+    is given), each file readable as the umask allows.
 
     Written under a temporary name and renamed, so `out` exists complete or not at all; an
     existing `out` is refused (ValueError) rather than overwritten.
@@ -187,7 +201,7 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     if out.exists():
         raise ValueError(f"{out} already exists: remove it or export to another --out")
     state = drafter.state_dict()
-    weights_dtype = dtype or next(iter(state.values())).dtype
+    weights_dtype = dtype
     dtype_name = next(name for name, value in DTYPES.items() if value == weights_dtype)
     assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
     tensors = {name: t.detach().to("cpu", weights_dtype).contiguous() for name, t in state.items()}
@@ -201,6 +215,7 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if card is not None:
             (tmp / "README.md").write_text(card)
+        publish_readable(tmp)
     return out
 
 
@@ -326,7 +341,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
         f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}.",
         "",
-        "Load it with z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` next to the target.",
+        *_serving_lines(c, target),
         "",
         "## Measured acceptance length",
         "",
@@ -359,6 +374,36 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
     return "\n".join(lines)
 
 
+def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
+    """How to serve the folder with each engine (block size B: B - 1 drafted tokens per step)."""
+    target = target or "TARGET"
+    return [
+        "## Serving",
+        "",
+        f"Serve in bfloat16 next to the target it was trained for (`{target}`); greedy output is "
+        "the target's own. Block size "
+        f"{c.block_size}: {c.block_size - 1} drafted tokens per verification.",
+        "",
+        "vLLM (`dflash` speculative method):",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"dflash\", \"model\": \"PATH/TO/THIS/FOLDER\", "
+        f"\"num_speculative_tokens\": {c.block_size - 1}}}'",
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path PATH/TO/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
+        "```",
+        "",
+        "Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
+        "`dflash_generate` loop.",
+    ]
+
+
 def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
     lines = ["| measure | acceptance length (tau) | on |", "|---|---|---|"]
     if evaluation.get("acceptance_length") is not None:
@@ -379,10 +424,10 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
 
 
 def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
-               dtype: str = "auto") -> Path:
-    """Export RUN's checkpoint (newest by default) to `out`; returns `out`."""
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+               dtype: str = DEFAULT_EXPORT_DTYPE) -> Path:
+    """Export RUN's checkpoint (newest by default) to `out` with weights in `dtype`; returns `out`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     loaded = load_drafter(run, checkpoint)
     run = Path(run)
     results = eval_results_path(run, loaded.checkpoint)
@@ -398,7 +443,7 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
 
         loaded.drafter = fold_basis(loaded.drafter, basis_of_caches(caches, loaded.drafter.config.feature_basis_sha256))
     try:
-        return write_export(loaded.drafter, out, dtype=None if dtype == "auto" else DTYPES[dtype],
+        return write_export(loaded.drafter, out, dtype=DTYPES[dtype],
                             token_ids=token_ids, card=card)
     except OSError as error:
         raise OSError(f"--out {out}: cannot write the export there ({error.strerror or error}); choose a "
@@ -411,8 +456,9 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
               help="A RUN/checkpoints/step-N folder (default: the newest complete one).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to create.")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
-              help="Weight dtype in model.safetensors (auto: as trained, float32).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_EXPORT_DTYPE, show_default=True,
+              help="Weight dtype in model.safetensors: bfloat16 is what engines serve (training "
+                   "keeps float32 master weights; float32 on request).")
 def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) -> None:
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
     path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)  # ValueError/OSError: one line

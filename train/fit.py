@@ -92,7 +92,7 @@ class Run:
     """Position-weight decay of the loss."""
     total_steps: int
     planned_epochs: int
-    """Epochs the run touches (< epochs when max_steps cuts)."""
+    """Epochs the run touches (max_steps, when set, overrides epochs)."""
     model: DFlashDrafter
     """The drafter itself (fp32 master weights; sharded in place under FSDP2)."""
     wrapped: torch.nn.Module
@@ -274,9 +274,9 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
         config, model=dataclasses.replace(config.model, mask_token_id=drafter_config.mask_token_id))
     held_out = held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed)
     plan = _plan(corpus, held_out, config, world_size)
-    total_steps = config.data.epochs * plan.steps_per_epoch
-    if config.data.max_steps is not None:
-        total_steps = min(total_steps, config.data.max_steps)
+    # As the Hugging Face Trainer: max_steps, when set, overrides epochs (more epochs, each
+    # with fresh anchors, or a cut in the last one).
+    total_steps = config.data.max_steps or config.data.epochs * plan.steps_per_epoch
     eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval.eval_every else None
 
     saved_config = run_dir / "config.json"
@@ -320,12 +320,24 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                  held_out_blocks=eval_plan.blocks_per_epoch if eval_plan else 0,
                  world_size=world_size, device=str(device), dtype=str(compute_dtype), gamma=gamma,
                  mask_token_id=drafter_config.mask_token_id)
+    if is_main:
+        print(plan_line(total_steps, plan.steps_per_epoch, config), flush=True)
     return Run(config=config, rank=rank, world_size=world_size, device=device, compute_dtype=compute_dtype,
                run_dir=run_dir, corpus=corpus, plan=plan, eval_plan=eval_plan, drafter_config=drafter_config,
                gamma=gamma, total_steps=total_steps, planned_epochs=math.ceil(total_steps / plan.steps_per_epoch),
                model=model, wrapped=wrapped, parallel_kind=parallel_kind, head=head, optimizer=optimizer,
                gate=gate, writer=writer, logger=logger, step=step,
                last_checkpoint=str(resume_from) if resume_from else None)
+
+
+def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
+    """The console's statement of what the run will do, printed at start."""
+    blocks = config.data.tokens_per_step // config.model.block_size
+    epochs = total_steps / steps_per_epoch
+    why = (f"--max-steps {config.data.max_steps} overrides --epochs {config.data.epochs}"
+           if config.data.max_steps else f"--epochs {config.data.epochs}")
+    return (f"plan: {total_steps} steps of {blocks} blocks x {config.model.block_size} tokens = "
+            f"{epochs:.3g} epochs of {steps_per_epoch} steps ({why})")
 
 
 def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> DrafterConfig:
