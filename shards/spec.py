@@ -135,6 +135,18 @@ class CacheSpec:
         return len(self.layer_ids)
 
     @property
+    def replies(self) -> tuple[bool, float | None]:
+        """(whether the cached replies are the target's own, their sampling temperature):
+        regenerated in stage one (`--regenerate`), or by a serving engine through
+        dflash-regenerate (`options["replies"]["made_by"] == "engine"`)."""
+        if self.regenerated:
+            return True, self.generation_temperature
+        replies = self.options.get("replies") or {}
+        if replies.get("made_by") == "engine":
+            return True, replies.get("temperature")
+        return False, None
+
+    @property
     def is_basis(self) -> bool:
         """Whether rows hold basis coefficients (feature_basis.safetensors holds the basis)."""
         return self.feature_codec in BASIS_CODECS

@@ -667,8 +667,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                                        stop_token_ids=cache_stop_token_ids(selection[0][0].target_dir)))
         bar.close()
         result["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
-        result["regenerated"] = all(cache.spec.regenerated for cache, _ in selection)
-        result["generation_temperature"] = selection[0][0].spec.generation_temperature
+        result["regenerated"] = all(cache.spec.replies[0] for cache, _ in selection)
+        result["generation_temperature"] = selection[0][0].spec.replies[1]
 
     if config.online:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
