@@ -37,8 +37,9 @@ def caches_fingerprint(caches: list[Any]) -> tuple[str | None, list[str]]:
             raise ValueError(
                 f"--cache {cache.path} was built from another target than --cache {known[0][0].path} "
                 f"(target fingerprints {short(fp)} and {short(known[0][1])}): train on caches of one target")
-    warnings = [f"--cache {cache.path} records no target fingerprint (built by an older dflash-precompute): "
-                "that it comes from the same target cannot be checked" for cache, fp in found if fp is None]
+    warnings = [f"--cache {cache.path} records no target fingerprint (a synthetic cache, or one built before "
+                "dflash-precompute recorded fingerprints): that it comes from the same target cannot be checked"
+                for cache, fp in found if fp is None]
     return (known[0][1] if known else None), warnings
 
 
