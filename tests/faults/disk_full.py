@@ -80,15 +80,7 @@ def disk_full_precompute(ws: Workspace, rng: np.random.Generator, trial: int,
         code = child.wait()
         if code == 0 and mid_run:
             outcome.case = "stage one, finished before the disk filled"
-        elif code == 0:
-            outcome.problems.append(f"a {limit}-byte file limit did not stop the run")
-        elif code < 0:
-            outcome.problems.append(f"the run died of signal {-code} instead of failing with an error")
-        else:
-            problem = _clear_error(child)
-            if problem:
-                outcome.problems.append(problem)
-            outcome.notes += _error_notes(child)
+        elif _judge_failure(outcome, child, code, limit):
             outcome.notes.append(f"limit hit in: {_where_it_failed(out)}")
         rerun = ws.launch("precompute", ws.precompute_args(out))
         if rerun.wait() != 0:
@@ -126,15 +118,7 @@ def disk_full_checkpoint(ws: Workspace, rng: np.random.Generator, trial: int) ->
     outcome = Outcome(case="checkpoint write")
     child = ws.launch("fit", ws.fit_args(out), fsize_limit=limit)
     code = child.wait()
-    if code == 0:
-        outcome.problems.append(f"a {limit}-byte file limit did not stop the run")
-    elif code < 0:
-        outcome.problems.append(f"the run died of signal {-code} instead of failing with an error")
-    else:
-        problem = _clear_error(child)
-        if problem:
-            outcome.problems.append(problem)
-        outcome.notes += _error_notes(child)
+    _judge_failure(outcome, child, code, limit)
     outcome.problems += left_checkpoints(out, reference.run)
     rerun = ws.launch("fit", ws.fit_args(out))
     if rerun.wait() != 0:
@@ -142,3 +126,19 @@ def disk_full_checkpoint(ws: Workspace, rng: np.random.Generator, trial: int) ->
     elif not outcome.problems:
         outcome.problems += same_final_run(out, reference)
     return outcome
+
+
+def _judge_failure(outcome: Outcome, child, code: int, limit: int) -> bool:
+    """Record how a run under a `limit`-byte file-size limit ended; True when it failed with
+    an error of its own (the expected ending), False when it finished or died of a signal."""
+    if code == 0:
+        outcome.problems.append(f"a {limit}-byte file limit did not stop the run")
+        return False
+    if code < 0:
+        outcome.problems.append(f"the run died of signal {-code} instead of failing with an error")
+        return False
+    problem = _clear_error(child)
+    if problem:
+        outcome.problems.append(problem)
+    outcome.notes += _error_notes(child)
+    return True
