@@ -18,11 +18,11 @@ Three parts, each optional:
 - tau: for each codec and seed, `dflash-train fit` with the demo's budget (1 layer, block 8,
   400 steps of 512 tokens, lr 1e-3), then `eval` offline over all held-out anchors (with the
   replayed figure) and online (real speculative decoding with the target on the first
-  `--online-prompts` held-out prompts; basis drafters are folded into fc for it). Results
-  are appended to WORK/tau.jsonl as they finish, and a rerun skips what is there.
+  `--online-prompts` held-out prompts; basis drafters are folded into fc for it): the runner
+  of bench/tau.py, which appends each run to WORK/tau.jsonl and skips what is there.
 
-    python bench/feature_codecs.py --source .demo/cache --target .demo/smollm2-135m-instruct \\
-        --prompts .demo/chitchat.jsonl --work /tmp/codecs [--parts caches,reads,tau] [--json]
+    python -m bench.feature_codecs --source .demo/cache --target .demo/smollm2-135m-instruct \\
+        --prompts .demo/chitchat.jsonl --work /tmp/codecs [--parts caches,reads,tau] [--workers 2] [--json]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,13 +41,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.tau import DEMO_FIT, Job, format_table, run_jobs, summarize
+
 HERE = Path(__file__).resolve().parent
 GRID = [("bf16", None), ("fp8", None), ("basis-bf16", 0.5), ("basis-bf16", 1), ("basis-bf16", 2),
         ("basis-fp8", 0.5), ("basis-fp8", 1), ("basis-fp8", 2)]
 READ_GRID = [("bf16", None), ("fp8", None), ("basis-bf16", 1), ("basis-fp8", 1)]
-DEMO_FIT = dict(num_layers=1, block_size=8, anchors_per_seq=32, tokens_per_step=512, max_steps=400, lr=1e-3,
-                eval_fraction=0.1, checkpoint_every=400, eval_every=0, spike_warmup_steps=20, device="cpu",
-                dtype="float32", wandb=False, log_every=50)
 
 
 def codec_name(codec: str, factor: float | None) -> str:
@@ -185,66 +183,11 @@ def read_bench_demo(sio, caches: list[dict], source: Path, root: Path, seed: int
 
 # ----------------------------------------------------------------------------- tau
 
-def tau_runs(caches: list[dict], work: Path, seeds: list[int], codecs: list[str], target: Path, prompts: Path,
-             online_prompts: int, max_new_tokens: int, max_steps: int) -> list[dict]:
-    import torch
-
-    from dflash.train.config import FitConfig
-    from dflash.train.evaluate import EvalConfig, run_eval
-    from dflash.train.fit import fit
-
-    log = work / "tau.jsonl"
-    done = {}
-    if log.is_file():
-        for line in log.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[(record["codec"], record["seed"])] = record
+def tau_jobs(caches: list[dict], seeds: list[int], codecs: list[str], max_steps: int) -> list[Job]:
     by_name = {c["codec"]: c for c in caches}
-    for seed in seeds:  # seed-major: a partial grid still compares every codec
-        for name in codecs:
-            if (name, seed) in done:
-                continue
-            cache = by_name[name]["path"]
-            run = work / "runs" / f"{slug(name)}-s{seed}"
-            began = time.perf_counter()
-            fit(FitConfig.from_dict({"cache": [cache], "out": str(run), "seed": seed, **DEMO_FIT,
-                                     "max_steps": max_steps, "checkpoint_every": max_steps}))
-            fit_s = time.perf_counter() - began
-            torch.manual_seed(0)
-            offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
-            online = run_eval(EvalConfig(run=str(run), cache=cache, online=True, target=str(target),
-                                         prompts=str(prompts), limit=online_prompts, max_new_tokens=max_new_tokens,
-                                         device="cpu", save=False), show_progress=False)
-            record = {"codec": name, "seed": seed, "fit_s": fit_s,
-                      "offline_tau": offline["acceptance_length"], "num_anchors": offline["num_anchors"],
-                      "replay_tau": offline["replay_acceptance_length"],
-                      "online_tau": online["online"]["acceptance_length"],
-                      "online_replay_tau": online["replay_acceptance_length"],
-                      "online_offline_tau": online["acceptance_length"],
-                      "lossless": online["online"]["lossless"], "num_prompts": online["online"]["num_prompts"]}
-            with open(log, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            done[(name, seed)] = record
-            print(f"[feature_codecs] {name} seed {seed}: offline {record['offline_tau']:.3f}, replay "
-                  f"{record['replay_tau']:.3f}, online {record['online_tau']:.3f} ({fit_s:.0f} s fit)",
-                  file=sys.stderr, flush=True)
-    return [done[key] for key in sorted(done, key=lambda k: (codecs.index(k[0]) if k[0] in codecs else 99, k[1]))]
-
-
-def summarize_tau(records: list[dict]) -> list[dict]:
-    out = []
-    for name in dict.fromkeys(r["codec"] for r in records):
-        rows = [r for r in records if r["codec"] == name]
-        entry = {"codec": name, "seeds": [r["seed"] for r in rows],
-                 "lossless": all(r["lossless"] for r in rows)}
-        for key in ("offline_tau", "replay_tau", "online_tau", "online_replay_tau"):
-            values = [r[key] for r in rows]
-            entry[key] = {"mean": statistics.fmean(values),
-                          "spread": (max(values) - min(values)) / 2 if len(values) > 1 else 0.0,
-                          "values": values}
-        out.append(entry)
-    return out
+    overrides = {} if max_steps == DEMO_FIT["max_steps"] else {"max_steps": max_steps}
+    return [Job(label=name, cache=by_name[name]["path"], seed=seed, overrides=overrides)
+            for seed in seeds for name in codecs]  # seed-major: a partial grid still compares every codec
 
 
 # ----------------------------------------------------------------------------- report
@@ -274,13 +217,7 @@ def format_report(report: dict) -> str:
                              f"{r['tokens_per_cpu_s']:>17,.0f} {best / base:>13.2f}x")
         lines.append("")
     if report.get("tau"):
-        lines.append("tau on the embedded default (mean +- half-range over seeds; same budget for all)")
-        lines.append(f"{'codec':<18} {'seeds':<8} {'offline':>15} {'replayed':>15} {'online':>15} {'lossless':>8}")
-        for r in report["tau"]:
-            def cell(key: str) -> str:
-                return f"{r[key]['mean']:.3f} +- {r[key]['spread']:.3f}"
-            lines.append(f"{r['codec']:<18} {','.join(map(str, r['seeds'])):<8} {cell('offline_tau'):>15} "
-                         f"{cell('replay_tau'):>15} {cell('online_tau'):>15} {'yes' if r['lossless'] else 'NO':>8}")
+        lines += format_table(report["tau"], "tau on the embedded default, every codec with the same budget")
     return "\n".join(lines)
 
 
@@ -295,6 +232,7 @@ def main() -> None:
                         help="codecs trained for tau, comma-separated (names as in the table), or 'all'")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=1, help="tau runs at once (the CPU's threads shared out)")
     parser.add_argument("--online-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--sample-tokens", type=int, default=65536, help="basis sample (stage one's default)")
@@ -327,10 +265,12 @@ def main() -> None:
         report["reads"] = reads
     if "tau" in parts:
         codecs = [codec_name(c, f) for c, f in GRID] if args.codecs == "all" else args.codecs.split(",")
-        records = tau_runs(caches, args.work, [int(s) for s in args.seeds.split(",")], codecs, args.target,
-                           args.prompts, args.online_prompts, args.max_new_tokens, args.max_steps)
-        report["tau_runs"] = records
-        report["tau"] = summarize_tau(records)
+        jobs = tau_jobs(caches, [int(seed) for seed in args.seeds.split(",")], codecs, args.max_steps)
+        records = run_jobs(jobs, args.work, target=args.target, prompts=args.prompts,
+                           online_prompts=args.online_prompts, max_new_tokens=args.max_new_tokens,
+                           workers=args.workers)
+        report["tau_runs"] = [records[job.key] for job in jobs]
+        report["tau"] = summarize(jobs, records, baseline="bf16" if "bf16" in codecs else None)
     report["seconds"] = time.perf_counter() - started
     print(format_report(report))
     if args.json:

@@ -367,13 +367,34 @@ class Target:
             if (self.path / "generation_config.json").is_file():
                 self.model.generation_config.save_pretrained(tmp)
             # Cloned separately: safetensors refuses tensors that share memory (tied weights).
+            tensors = {"embed_tokens.weight": embed.cpu().clone().contiguous(),
+                       "lm_head.weight": head.cpu().clone().contiguous()}
+            norm = final_norm_scale(self.model, self.hidden_size)
+            if norm is not None:
+                tensors["norm.weight"] = norm
             try:
-                save_file({"embed_tokens.weight": embed.cpu().clone().contiguous(),
-                           "lm_head.weight": head.cpu().clone().contiguous()}, tmp / "head.safetensors")
+                save_file(tensors, tmp / "head.safetensors")
             except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
                 raise OSError(f"{tmp / 'head.safetensors'}: cannot write the target's embedding and LM "
                               f"head: {error}; free space under {out.parent} and run again") from error
             info.save(tmp)
+
+
+def final_norm_scale(model: torch.nn.Module, hidden_size: int) -> torch.Tensor | None:
+    """The target's final RMS norm as the per-channel scale it applies ([H] float32), or None
+    when the model has no RMS norm at `base_model.norm`. Read by probing the module with a
+    vector of ones (rms 1), so conventions such as Gemma's `1 + weight` come out right."""
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None or "rmsnorm" not in type(norm).__name__.lower():
+        return None
+    weight = getattr(norm, "weight", None)
+    if weight is None or tuple(weight.shape) != (hidden_size,):
+        return None
+    with torch.no_grad():
+        probe = torch.ones(1, hidden_size, dtype=weight.dtype, device=weight.device)
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)) or 0.0)
+        scale = norm(probe).float()[0] * (1.0 + eps) ** 0.5  # undo the eps in 1 / sqrt(1 + eps)
+    return scale.cpu().contiguous()
 
 
 def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:

@@ -108,6 +108,7 @@ def test_cache_holds_what_a_direct_forward_computes(targets, data, tmp_path, cas
     assert head["lm_head.weight"].dtype == getattr(torch, dtype) and info["dtype"] == dtype
     torch.testing.assert_close(head["embed_tokens.weight"], model.get_input_embeddings().weight.detach())
     torch.testing.assert_close(head["lm_head.weight"], model.get_output_embeddings().weight.detach())
+    torch.testing.assert_close(head["norm.weight"], model.base_model.norm.weight.detach().float())
     assert AutoTokenizer.from_pretrained(tmp_path / "cache" / "target").chat_template == tokenizer.chat_template
     assert verify_cache(tmp_path / "cache")["ok"]
 

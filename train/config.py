@@ -54,6 +54,10 @@ class ModelConfig:
     """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
     tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
     pad or bos token)."""
+    norm_init: Literal["ones", "target"] = "ones"
+    """The final norm's initial weight: ones, or target (the target's final norm, which the
+    drafter's output shares the target's LM head with; needs a cache whose target/ folder holds
+    it, as stage one writes since format 2)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers")

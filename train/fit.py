@@ -299,6 +299,13 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     model = DFlashDrafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
+    if config.model.norm_init == "target":
+        if head.final_norm is None:
+            raise ValueError(f"--norm-init target: {caches[0].target_dir / 'head.safetensors'} holds no norm.weight "
+                             "(a cache written before the target's final norm was stored); rebuild the cache with "
+                             "dflash-precompute, or use --norm-init ones")
+        with torch.no_grad():
+            model.norm.weight.copy_(head.final_norm)
     gate = SpikeGate(config.gating)
     parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
     resume_from = latest_checkpoint(run_dir)

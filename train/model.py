@@ -313,6 +313,7 @@ class TargetHead:
 
     embed_tokens: torch.Tensor  # [V, H]
     lm_head: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor | None = None  # [H]: the target's final norm scale, when stored
 
     @classmethod
     def load(cls, target_dir: str | Path, *, device: torch.device | str = "cpu",
@@ -333,7 +334,12 @@ class TargetHead:
         embed, head = tensors["embed_tokens.weight"], tensors["lm_head.weight"]
         if dtype is not None:
             embed, head = embed.to(dtype), head.to(dtype)
-        return cls(embed_tokens=embed.requires_grad_(False), lm_head=head.requires_grad_(False))
+        norm = tensors.get("norm.weight")
+        if norm is not None and tuple(norm.shape) != (embed.shape[1],):
+            raise ValueError(f"{path}: norm.weight has shape {tuple(norm.shape)}, expected ({embed.shape[1]},); "
+                             "rebuild the cache's target/ folder with dflash-precompute")
+        return cls(embed_tokens=embed.requires_grad_(False), lm_head=head.requires_grad_(False),
+                   final_norm=None if norm is None else norm.float())
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[...] int -> [..., H] in the embedding's dtype."""

@@ -43,11 +43,13 @@ def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_si
     generator = torch.Generator().manual_seed(seed)
     embed = torch.randn(vocab_size, hidden_size, generator=generator) * 0.5  # [V, H]
     head = torch.randn(vocab_size, hidden_size, generator=generator) / hidden_size ** 0.5  # [V, H]
+    norm = 1.0 + 0.25 * torch.randn(hidden_size, generator=generator)  # [H] the final norm's scale
     with atomic_dir(target_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         info.save(tmp)
         save_file({"embed_tokens.weight": embed.to(dtype).contiguous(),
-                   "lm_head.weight": head.to(dtype).contiguous()}, str(tmp / "head.safetensors"))
+                   "lm_head.weight": head.to(dtype).contiguous(), "norm.weight": norm.contiguous()},
+                  str(tmp / "head.safetensors"))
 
 
 def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int], vocab_size: int = 64,

@@ -1,0 +1,150 @@
+"""Acceptance length (tau) of drafters trained with one budget: the runner the tau benches share.
+
+A job is (label, cache, fit overrides, seed): `dflash-train fit` with the embedded default's
+budget (`DEMO_FIT`, as `make demo` trains) plus the overrides, then `eval` offline over all
+held-out anchors (with the replayed figure) and online (real speculative decoding with the
+target on the first `online_prompts` held-out prompts; basis drafters are folded into fc
+for it). Each finished job is appended to WORK/tau.jsonl, keyed by what determines it (cache
+folder name, overrides, seed), so a rerun skips it and two benches sharing WORK share their
+common runs (the kl baseline of bench/recipe.py is the bf16 row of bench/feature_codecs.py).
+
+`--seed` also draws the held-out set: compare variants within a seed (`paired`), and quote
+the spread over seeds beside any mean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The embedded default's training budget (demo/run.py's settings on the day these benches
+# were written; kept here so that records stay comparable when the demo changes).
+DEMO_FIT: dict[str, Any] = dict(
+    num_layers=1, block_size=8, anchors_per_seq=32, tokens_per_step=512, max_steps=400, lr=1e-3,
+    eval_fraction=0.1, checkpoint_every=400, eval_every=0, spike_warmup_steps=20, device="cpu",
+    dtype="float32", wandb=False, log_every=50)
+METRICS = ("offline_tau", "replay_tau", "online_tau", "online_replay_tau", "speed_ratio")
+
+
+@dataclass(frozen=True)
+class Job:
+    label: str  # the row the report shows (a codec, a recipe variant)
+    cache: str
+    seed: int
+    overrides: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        return json.dumps({"cache": Path(self.cache).name, "overrides": self.overrides, "seed": self.seed},
+                          sort_keys=True)
+
+
+def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int, max_new_tokens: int,
+             threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from dflash.train.config import FitConfig
+    from dflash.train.evaluate import EvalConfig, run_eval
+    from dflash.train.fit import fit
+
+    name = Path(job.cache).name + "".join(f"-{k}={v}" for k, v in sorted(job.overrides.items()))
+    run = Path(work) / "runs" / f"{name}-s{job.seed}".replace("/", "_")
+    flat = {**DEMO_FIT, **job.overrides}
+    flat["checkpoint_every"] = flat["max_steps"]
+    began = time.perf_counter()
+    fit(FitConfig.from_dict({"cache": [job.cache], "out": str(run), "seed": job.seed, **flat}))
+    fit_s = time.perf_counter() - began
+    torch.manual_seed(0)
+    offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
+    online = run_eval(EvalConfig(run=str(run), cache=job.cache, online=True, target=target, prompts=prompts,
+                                 limit=online_prompts, max_new_tokens=max_new_tokens, device="cpu", save=False),
+                      show_progress=False)
+    live = online["online"]
+    return {"key": job.key, "label": job.label, "cache": Path(job.cache).name, "overrides": job.overrides,
+            "seed": job.seed, "fit_s": fit_s, "threads": threads,
+            "offline_tau": offline["acceptance_length"], "num_anchors": offline["num_anchors"],
+            "replay_tau": offline["replay_acceptance_length"],
+            "online_tau": live["acceptance_length"], "online_replay_tau": online["replay_acceptance_length"],
+            "online_offline_tau": online["acceptance_length"], "lossless": live["lossless"],
+            "num_prompts": live["num_prompts"],
+            "speed_ratio": live["tokens_per_s"] / live["baseline_tokens_per_s"]}
+
+
+def run_jobs(jobs: list[Job], work: Path, *, target: Path, prompts: Path, online_prompts: int = 20,
+             max_new_tokens: int = 48, workers: int = 1) -> dict[str, dict]:
+    """Run the jobs not yet in WORK/tau.jsonl (`workers` at once, the CPU's threads shared
+    out among them); returns every job's record by key."""
+    log = work / "tau.jsonl"
+    done: dict[str, dict] = {}
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["key"]] = record
+    todo = list({job.key: job for job in jobs if job.key not in done}.values())
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    args = (str(work), str(target), str(prompts), online_prompts, max_new_tokens, threads)
+    if todo:
+        print(f"[tau] {len(todo)} runs to do ({len(jobs) - len(todo)} already in {log}), {workers} at once, "
+              f"{threads} thread(s) each", file=sys.stderr, flush=True)
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = {pool.submit(_run_job, job, *args): job for job in todo}
+        for future in as_completed(futures):
+            record = future.result()
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            done[record["key"]] = record
+            print(f"[tau] {record['label']} seed {record['seed']}: offline {record['offline_tau']:.3f}, replayed "
+                  f"{record['replay_tau']:.3f}, online {record['online_tau']:.3f} ({record['fit_s']:.0f} s fit)",
+                  file=sys.stderr, flush=True)
+    return {job.key: done[job.key] for job in jobs}
+
+
+def summarize(jobs: list[Job], records: dict[str, dict], baseline: str | None = None) -> list[dict]:
+    """Per label: mean and spread (half the range) over seeds of every metric, and, against
+    `baseline`'s label, the mean of the per-seed differences (same seed, same held-out set)."""
+    by_label: dict[str, list[dict]] = {}
+    for job in jobs:
+        by_label.setdefault(job.label, []).append(records[job.key])
+    out = []
+    for label, rows in by_label.items():
+        entry: dict[str, Any] = {"label": label, "seeds": [r["seed"] for r in rows],
+                                 "lossless": all(r["lossless"] for r in rows),
+                                 "fit_s": statistics.fmean(r["fit_s"] for r in rows)}
+        for key in METRICS:
+            values = [r[key] for r in rows]
+            entry[key] = {"mean": statistics.fmean(values),
+                          "spread": (max(values) - min(values)) / 2 if len(values) > 1 else 0.0,
+                          "values": values}
+        if baseline is not None and baseline in by_label:
+            base = {r["seed"]: r for r in by_label[baseline]}
+            for key in ("offline_tau", "replay_tau", "online_tau"):
+                diffs = [r[key] / base[r["seed"]][key] - 1 for r in rows if r["seed"] in base]
+                entry[f"{key}_vs_baseline"] = statistics.fmean(diffs) if diffs else None
+        out.append(entry)
+    return out
+
+
+def format_table(summary: list[dict], title: str) -> list[str]:
+    def cell(entry: dict, key: str) -> str:
+        text = f"{entry[key]['mean']:.3f} +- {entry[key]['spread']:.3f}"
+        paired = entry.get(f"{key}_vs_baseline")
+        return text if paired is None else f"{text} ({paired:+.1%})"
+
+    lines = [title + " (mean +- half-range over seeds; (x%): mean per-seed change against the first row)",
+             f"{'':<24} {'seeds':<6} {'offline':>24} {'replayed':>24} {'online':>24} {'spec/greedy':>11} "
+             f"{'lossless':>8} {'fit s':>6}"]
+    for entry in summary:
+        lines.append(f"{entry['label']:<24} {','.join(map(str, entry['seeds'])):<6} {cell(entry, 'offline_tau'):>24} "
+                     f"{cell(entry, 'replay_tau'):>24} {cell(entry, 'online_tau'):>24} "
+                     f"{entry['speed_ratio']['mean']:>10.2f}x {'yes' if entry['lossless'] else 'NO':>8} "
+                     f"{entry['fit_s']:>6.0f}")
+    return lines

@@ -1,0 +1,85 @@
+"""`fit --norm-init target`: the drafter's final norm starts as the target's, which stage one
+stores in CACHE/target/head.safetensors as the per-channel scale the target's norm applies."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.precompute.target import final_norm_scale
+from dflash.train.checkpoint import list_checkpoints
+from dflash.train.config import FitConfig
+from dflash.train.fit import fit
+from dflash.train.model import TargetHead
+from dflash.train.synthetic import write_synthetic_training_cache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(kind: str):
+    from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = (GemmaForCausalLM(GemmaConfig(**common)) if kind == "gemma"
+             else LlamaForCausalLM(LlamaConfig(**common)))
+    with torch.no_grad():
+        model.base_model.norm.weight.normal_(0.5, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_the_stored_scale_is_what_the_targets_norm_multiplies_by(kind):
+    model = tiny(kind)
+    weight = model.base_model.norm.weight.detach()
+    expected = weight + 1 if kind == "gemma" else weight  # Gemma's norm scales by 1 + weight
+    scale = final_norm_scale(model, 32)
+    torch.testing.assert_close(scale, expected.float(), rtol=1e-6, atol=1e-6)
+    # and the norm of any input is the RMS-normalised input times that scale
+    x = torch.randn(3, 32)
+    eps = model.config.rms_norm_eps
+    normalised = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    torch.testing.assert_close(model.base_model.norm(x), normalised * scale, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_an_rms_norm_stores_none():
+    model = tiny("llama")
+    model.base_model.norm = torch.nn.LayerNorm(32)
+    assert final_norm_scale(model, 32) is None
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache") / "cache"
+    write_synthetic_training_cache(path, lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
+    return path
+
+
+def initial_norm(cache_dir: Path, out: Path, **overrides) -> torch.Tensor:
+    fit(FitConfig.from_dict(dict(
+        cache=[str(cache_dir)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=6, max_steps=1,
+        tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.1, wandb=False,
+        save_initial=True, **overrides)))
+    return load_file(list_checkpoints(out)[0] / "model.safetensors")["norm.weight"]
+
+
+def test_norm_init_target_starts_from_the_targets_norm(cache_dir, tmp_path):
+    target_norm = load_file(cache_dir / "target" / "head.safetensors")["norm.weight"]
+    assert not torch.allclose(target_norm, torch.ones_like(target_norm))
+    assert torch.equal(initial_norm(cache_dir, tmp_path / "target", norm_init="target"), target_norm)
+    assert torch.equal(initial_norm(cache_dir, tmp_path / "ones"), torch.ones_like(target_norm))  # the default
+    assert torch.equal(TargetHead.load(cache_dir / "target").final_norm, target_norm)
+
+
+def test_norm_init_target_on_a_cache_without_the_norm_is_a_clear_error(tmp_path):
+    path = tmp_path / "cache"
+    write_synthetic_training_cache(path, lengths=[40, 56, 33, 71], seed=1)
+    head = path / "target" / "head.safetensors"
+    tensors = load_file(head)
+    del tensors["norm.weight"]  # as a cache written before stage one stored the norm
+    save_file(tensors, head)
+    assert TargetHead.load(path / "target").final_norm is None
+    with pytest.raises(ValueError, match=r"head\.safetensors holds no norm\.weight .*--norm-init ones"):
+        initial_norm(path, tmp_path / "run", norm_init="target")
