@@ -45,6 +45,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask())  # safetensors and mkstemp-style writers make 0600 files
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -70,6 +71,7 @@ def atomic_dir(path: str | Path, *, fsync_files: bool = True) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        publish_readable(tmp)
         for inner in sorted(tmp.rglob("*"), reverse=True):  # a folder's entries before the folder
             if inner.is_dir():
                 fsync_dir(inner)
@@ -87,6 +89,31 @@ def atomic_dir(path: str | Path, *, fsync_files: bool = True) -> Iterator[Path]:
         raise
     fsync_dir(path.parent)
     shutil.rmtree(stale, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the system allows (os.umask sets it
+    to read it: a file another thread creates in between would get the wrong mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_readable(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a plain `open()` / `mkdir()` would (0644 /
+    0755 under the usual umask 022): safetensors writes its files 0600, which a serving process
+    (or a trainer) running as another user cannot read. `atomic_dir` and `atomic_path` apply
+    it to what they publish."""
+    mask = current_umask()
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:

@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from dflash.train.checkpoint import CheckpointWriter, publish_readable
+from dflash.shards.files import publish_readable
+from dflash.train.checkpoint import CheckpointWriter
 from dflash.train.export import export_command, model_card, write_export, LoadedDrafter
 from dflash.train.model import DFlashDrafter
 from tests.builders import drafter_config

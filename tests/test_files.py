@@ -145,3 +145,28 @@ def test_atomic_dir_deletes_a_temporary_left_by_a_crash(tmp_path):
         (tmp / "a.txt").write_text("a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert _content(tmp_path / "out") == {"a.txt": "a"}
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_what_is_published_follows_the_umask(tmp_path, mask, file_mode, dir_mode):
+    """safetensors writes 0600 files: the cache's target/head.safetensors and basis file, a
+    checkpoint's or an export's weights were unreadable by a trainer or server running as
+    another user. Both publishers give them the modes a plain open() would."""
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "basis.safetensors") as tmp:
+            save_file({"p": torch.zeros(2)}, str(tmp))
+        with atomic_dir(tmp_path / "target") as tmp:
+            save_file({"p": torch.zeros(2)}, str(tmp / "head.safetensors"))
+            (tmp / "sub").mkdir()
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "basis.safetensors") == file_mode
+    assert mode(tmp_path / "target" / "head.safetensors") == file_mode
+    assert mode(tmp_path / "target") == mode(tmp_path / "target" / "sub") == dir_mode

@@ -151,7 +151,6 @@ class CheckpointWriter:
                 for file_name, write in writes.items():
                     with _naming_failure(tmp / file_name, final):
                         write(tmp / file_name)
-                publish_readable(tmp)
                 for path in sorted(tmp.iterdir()):  # fsync after every write, so a kill can land between
                     with _naming_failure(path, final):
                         size += path.stat().st_size
@@ -164,30 +163,6 @@ class CheckpointWriter:
         except BaseException as error:  # re-raised in the training loop by check()
             # atomic_dir has deleted the temporary folder (it may hold the space a rerun needs).
             self._error = error
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where the system allows (os.umask sets it
-    to read it: a file another thread creates in between would get the wrong mode)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def publish_readable(folder: Path) -> None:
-    """Give `folder` and everything in it the modes a plain `open()` / `mkdir()` would (0644 /
-    0755 under the usual umask 022): safetensors writes its files 0600, which a serving process
-    running as another user cannot read."""
-    mask = current_umask()
-    for path in [Path(folder), *Path(folder).rglob("*")]:
-        if not path.is_symlink():
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _torch_save(obj, path: Path) -> None:

@@ -43,7 +43,7 @@ import torch
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
-from dflash.train.checkpoint import latest_checkpoint, publish_readable
+from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -215,7 +215,6 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if card is not None:
             (tmp / "README.md").write_text(card)
-        publish_readable(tmp)
     return out
 
 
