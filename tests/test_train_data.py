@@ -299,3 +299,28 @@ def test_anchor_count_split_over_ranks_equals_one_rank(tmp_path):
     np.testing.assert_array_equal(stored.num_eligible, one)  # the stored index, no count
     with pytest.raises(ValueError, match="needs `combine`"):
         Corpus([open_cache(tmp_path / "c")], rank=1, world_size=2)
+
+
+@pytest.mark.parametrize("order", [("bf16", "fp8"), ("fp8", "bf16")])
+def test_a_batch_over_bf16_and_fp8_caches_decodes_each_with_its_own_codec(tmp_path, order):
+    """Caches of the two raw codecs train together (e.g. new data added in fp8): each row is
+    decoded by its own cache's codec, the batch in float32. (Rows were decoded with the first
+    cache's codec: fp8 bytes read as bf16 bits.)"""
+    from dflash.shards import open_cache
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    caches = []
+    for i, codec in enumerate(order):
+        write_synthetic_training_cache(tmp_path / codec, lengths=[30, 41], feature_codec=codec, seed=3 + i)
+        caches.append(open_cache(tmp_path / codec, check_rows=False))
+    corpus = Corpus(caches)
+    segments = [Segment(1, 0, 2), Segment(2, 0, 2), Segment(3, 1, 1)]  # sequences of both caches
+    batch = read_batch(corpus, segments, stream=1, plan_anchors=4, seed=0, block_size=4, gamma=7.0,
+                       mask_token_id=0)
+    assert batch.context_features.dtype == torch.float32
+    offset = 0
+    for seg, (context_length, _) in zip(segments, batch.segments):
+        cache, index = corpus.locate(seg.sequence)
+        expected = cache[index].features[:context_length].reshape(context_length, -1)
+        np.testing.assert_array_equal(batch.context_features[offset:offset + context_length].numpy(), expected)
+        offset += context_length

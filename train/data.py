@@ -393,7 +393,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         context_length = int(anchors[-1])  # positions < the last anchor are all anyone sees
         layout_segments.append((context_length, anchors))
         sequences.append(seg.sequence)
-        features.append(decode_features(raw, corpus.spec, context_length))
+        features.append(decode_features(raw, cache.spec, context_length))  # each cache its own codec
         ids = np.full((anchors.shape[0], B), mask_token_id, dtype=np.int64)  # [n, B]
         ids[:, 0] = np.asarray(raw.input_ids)[anchors]
         block_ids.append(ids.reshape(-1))
@@ -410,10 +410,11 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         topk_logprobs.append(np.asarray(raw.topk_logprobs)[label_at])
         weights.append(weights_k[ks])
         row0 += anchors.shape[0] * B
-    if corpus.spec.feature_codec in ("bf16", "basis-bf16"):
+    if all(part.dtype == np.uint16 for part in features):  # bf16 bits, kept bf16
         context = torch.from_numpy(np.concatenate(features)).view(torch.bfloat16)
-    else:
-        context = torch.from_numpy(np.concatenate(features))
+    else:  # fp8 rows (dequantised to float32), perhaps beside bf16 rows of another cache
+        context = torch.cat([torch.from_numpy(part).view(torch.bfloat16).float() if part.dtype == np.uint16
+                             else torch.from_numpy(part) for part in features])
     batch = Batch(
         segments=layout_segments,
         block_ids=torch.from_numpy(np.concatenate(block_ids)),
