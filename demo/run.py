@@ -42,9 +42,9 @@ class DemoConfig:
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
     """Longest cached sequence, in tokens."""
-    feature_codec: str = "bf16"
-    """How the cache stores features (dflash-precompute --feature-codec); bench/RESULTS.md
-    compares the codecs on this demo."""
+    feature_codec: str = "basis-fp8"
+    """How the cache stores features (dflash-precompute --feature-codec): basis-fp8 at rank H
+    takes 0.10x of bf16's bytes at the same tau (3 seeds, bench/RESULTS.md feature_codecs)."""
     feature_rank: int = 0
     """Basis codecs: coefficients per token (0: the target's hidden size)."""
     num_layers: int = 1
