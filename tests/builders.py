@@ -53,6 +53,27 @@ CORPUS = [
 
 VOCAB_SIZE = 320
 
+# A small synthetic training cache and the tiny fit the training tests run on it.
+FIT_LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
+TINY_FIT = dict(num_layers=1, block_size=4, tokens_per_step=96, eval_every=0, eval_fraction=0.1, wandb=False,
+                spike_warmup_steps=2, log_every=1)
+
+
+def fit_cache(tmp_path_factory, lengths: list[int] = FIT_LENGTHS) -> Path:
+    """A finalized synthetic training cache (seed 1) in a fresh temporary folder."""
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    path = tmp_path_factory.mktemp("cache") / "cache"
+    write_synthetic_training_cache(path, lengths=lengths, seed=1)
+    return path
+
+
+def tiny_fit_config(cache_dir: Path, out: Path, **overrides):
+    """`TINY_FIT` on `cache_dir` into `out`; overrides (flat FitConfig keys) win."""
+    from dflash.train.config import FitConfig
+
+    return FitConfig.from_dict({"cache": [str(cache_dir)], "out": str(out), **TINY_FIT, **overrides})
+
 
 def build_tokenizer(style: str):
     """A byte-level BPE tokenizer (round-trips any text) with a chat template of `style`

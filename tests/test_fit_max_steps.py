@@ -8,25 +8,18 @@ import pytest
 
 from dflash.train.config import FitConfig
 from dflash.train.fit import fit
-from dflash.train.synthetic import write_synthetic_training_cache
-
-LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
+from tests.builders import fit_cache, tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("cache") / "cache"
-    write_synthetic_training_cache(path, lengths=LENGTHS, seed=1)
-    return path
+    return fit_cache(tmp_path_factory)
 
 
 def config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
-    fields = dict(cache=[str(cache_dir)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=2,
-                  epochs=1, tokens_per_step=96, checkpoint_every=1000, eval_every=0, eval_fraction=0.1,
-                  wandb=False, spike_warmup_steps=2, log_every=1)
-    return FitConfig.from_dict({**fields, **overrides})
+    return tiny_fit_config(cache_dir, out, **{**dict(anchors_per_seq=2, epochs=1, checkpoint_every=1000), **overrides})
 
 
 def steps_per_epoch(out: Path) -> int:

@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 
 from dflash.precompute.target import final_norm_scale
 from dflash.train.checkpoint import list_checkpoints
-from dflash.train.config import FitConfig
 from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
+from tests.builders import tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,10 +58,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def initial_norm(cache_dir: Path, out: Path, **overrides) -> torch.Tensor:
-    fit(FitConfig.from_dict(dict(
-        cache=[str(cache_dir)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=6, max_steps=1,
-        tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.1, wandb=False,
-        save_initial=True, **overrides)))
+    fit(tiny_fit_config(cache_dir, out, anchors_per_seq=6, max_steps=1, checkpoint_every=100, save_initial=True,
+                        **overrides))
     return load_file(list_checkpoints(out)[0] / "model.safetensors")["norm.weight"]
 
 

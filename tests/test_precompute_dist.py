@@ -14,7 +14,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 from dflash.precompute.run import run_precompute

@@ -24,24 +24,16 @@ from dflash.train.cli import main
 from dflash.train.config import FitConfig
 from dflash.train.fit import SpikeStop, fit
 from dflash.train.logging import STEP_KEYS
-from dflash.train.synthetic import write_synthetic_training_cache
-
-LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
-
+from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("cache") / "cache"
-    write_synthetic_training_cache(path, lengths=LENGTHS, seed=1)
-    return path
+    return fit_cache(tmp_path_factory)
 
 
 def tiny_config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
-    fields = dict(cache=[str(cache_dir)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=6,
-                  epochs=2, tokens_per_step=96, checkpoint_every=3, keep_checkpoints=10, eval_every=0,
-                  eval_fraction=0.1, wandb=False, spike_warmup_steps=2, log_every=1)
-    fields.update(overrides)
-    return FitConfig.from_dict(fields)
+    return tiny_fit_config(cache_dir, out, **{**dict(anchors_per_seq=6, epochs=2, checkpoint_every=3,
+                                                     keep_checkpoints=10), **overrides})
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -178,7 +170,7 @@ def test_held_out_sequences_are_never_trained_on(cache_dir, tmp_path, monkeypatc
     monkeypatch.setattr(fit_module, "read_batch", spy)
     config = tiny_config(cache_dir, tmp_path / "run", eval_fraction=0.25, eval_every=2)
     fit(config)
-    held_out = set(np.flatnonzero(fit_module.held_out_mask(len(LENGTHS), 0.25, config.data.seed)).tolist())
+    held_out = set(np.flatnonzero(fit_module.held_out_mask(len(FIT_LENGTHS), 0.25, config.data.seed)).tolist())
     assert len(held_out) == 4 and seen and not held_out & set(seen)
 
 

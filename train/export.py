@@ -201,10 +201,9 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     if out.exists():
         raise ValueError(f"{out} already exists: remove it or export to another --out")
     state = drafter.state_dict()
-    weights_dtype = dtype
-    dtype_name = next(name for name, value in DTYPES.items() if value == weights_dtype)
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
-    tensors = {name: t.detach().to("cpu", weights_dtype).contiguous() for name, t in state.items()}
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
     with atomic_dir(out) as tmp:
         try:
