@@ -27,17 +27,21 @@ from pathlib import Path
 
 from bench.tau import Job, format_table, run_jobs, summarize
 
-# label -> fit overrides (flat FitConfig keys) over DEMO_FIT; the first is the baseline.
+# label -> fit overrides (flat FitConfig keys) over DEMO_FIT (whose loss is kl). The loss and
+# norm-init rows change one thing against kl; the rows after them change one thing against
+# kl+ce, fit's default since the loss rows chose it (read them with --baseline kl+ce).
+KL_CE = {"loss": "kl+ce"}
 VARIANTS: dict[str, dict] = {
     "kl (top-32 KL)": {},
     "ce (target top-1)": {"loss": "ce"},
-    "kl+ce": {"loss": "kl+ce"},
+    "kl+ce": KL_CE,
     "norm from target": {"norm_init": "target"},
-    "lr 3e-3": {"lr": 3e-3},
-    "lr 3e-4": {"lr": 3e-4},
-    "block 16": {"block_size": 16},
-    "800 steps": {"max_steps": 800},
+    "lr 2e-3 (kl+ce)": {**KL_CE, "lr": 2e-3},
+    "block 4 (kl+ce)": {**KL_CE, "block_size": 4},
+    "block 16 (kl+ce)": {**KL_CE, "block_size": 16},
+    "more data (kl+ce)": KL_CE,  # on --more-data's cache: more regenerated conversations, the same steps
 }
+MORE_DATA = "more data (kl+ce)"
 
 
 def main() -> None:
@@ -48,8 +52,15 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="where runs and tau.jsonl go (reused)")
     parser.add_argument("--variants", default="all",
                         help=f"comma-separated labels (or their first words), or all: {', '.join(VARIANTS)}")
+    parser.add_argument("--baseline", default="kl+ce",
+                        help="the row every other is compared with, seed by seed (fit's default loss)")
+    parser.add_argument("--more-data", type=Path,
+                        help=f"for '{MORE_DATA}': a cache built like --cache from more conversations")
+    parser.add_argument("--more-data-prompts", type=Path, help="the prompts file --more-data was built from")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workers", type=int, default=1, help="runs at once (the CPU's threads shared out)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads per run (default: the CPU's shared out among the workers)")
     parser.add_argument("--online-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -66,18 +77,32 @@ def main() -> None:
         unknown = [w for w in wanted if not any(matches(label, w) for label in VARIANTS)]
         if unknown:
             parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    baseline = next(iter(VARIANTS))
+    baseline = args.baseline
+    if baseline not in VARIANTS:
+        parser.error(f"--baseline: unknown {baseline!r}; choose from {list(VARIANTS)}")
     if baseline not in chosen:
         chosen.insert(0, baseline)  # every variant is read against it
+    if MORE_DATA in chosen and args.more_data is None:
+        if args.variants != "all":
+            parser.error(f"--variants '{MORE_DATA}' needs --more-data CACHE")
+        chosen.remove(MORE_DATA)
+    if args.more_data is not None and args.more_data_prompts is None:
+        parser.error("--more-data needs --more-data-prompts (the prompts file it was built from)")
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report = {"date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, "
                          f"load average {os.getloadavg()[0]:.1f} at start"}
-    jobs = [Job(label=label, cache=str(args.cache), seed=int(seed), overrides=VARIANTS[label])
+    def job(label: str, seed: int) -> Job:
+        if label == MORE_DATA:
+            return Job(label, str(args.more_data), seed, VARIANTS[label], prompts=str(args.more_data_prompts))
+        return Job(label, str(args.cache), seed, VARIANTS[label])
+
+    jobs = [job(label, int(seed))
             for seed in args.seeds.split(",") for label in chosen]
     records = run_jobs(jobs, args.work, target=args.target, prompts=args.prompts,
-                       online_prompts=args.online_prompts, max_new_tokens=args.max_new_tokens, workers=args.workers)
+                       online_prompts=args.online_prompts, max_new_tokens=args.max_new_tokens, workers=args.workers,
+                       threads=args.threads)
     report["runs"] = [records[job.key] for job in jobs]
     report["summary"] = summarize(jobs, records, baseline=baseline)
     report["seconds"] = time.perf_counter() - started

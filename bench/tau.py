@@ -40,6 +40,7 @@ class Job:
     cache: str
     seed: int
     overrides: dict = field(default_factory=dict, hash=False, compare=False)
+    prompts: str | None = None  # the prompts file `cache` was built from, when not run_jobs' one
 
     @property
     def key(self) -> str:
@@ -65,7 +66,8 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
     fit_s = time.perf_counter() - began
     torch.manual_seed(0)
     offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
-    online = run_eval(EvalConfig(run=str(run), cache=job.cache, online=True, target=target, prompts=prompts,
+    online = run_eval(EvalConfig(run=str(run), cache=job.cache, online=True, target=target,
+                                 prompts=job.prompts or prompts,
                                  limit=online_prompts, max_new_tokens=max_new_tokens, device="cpu", save=False),
                       show_progress=False)
     live = online["online"]
@@ -80,9 +82,10 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
 
 
 def run_jobs(jobs: list[Job], work: Path, *, target: Path, prompts: Path, online_prompts: int = 20,
-             max_new_tokens: int = 48, workers: int = 1) -> dict[str, dict]:
-    """Run the jobs not yet in WORK/tau.jsonl (`workers` at once, the CPU's threads shared
-    out among them); returns every job's record by key."""
+             max_new_tokens: int = 48, workers: int = 1, threads: int | None = None) -> dict[str, dict]:
+    """Run the jobs not yet in WORK/tau.jsonl (`workers` at once, each with `threads` torch
+    threads: by default the CPU's threads shared out among them); returns every job's record
+    by key."""
     log = work / "tau.jsonl"
     done: dict[str, dict] = {}
     if log.is_file():
@@ -91,7 +94,7 @@ def run_jobs(jobs: list[Job], work: Path, *, target: Path, prompts: Path, online
                 record = json.loads(line)
                 done[record["key"]] = record
     todo = list({job.key: job for job in jobs if job.key not in done}.values())
-    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    threads = threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     args = (str(work), str(target), str(prompts), online_prompts, max_new_tokens, threads)
     if todo:
         print(f"[tau] {len(todo)} runs to do ({len(jobs) - len(todo)} already in {log}), {workers} at once, "
