@@ -35,7 +35,7 @@ VARIANTS: dict[str, dict] = {
     "kl (top-32 KL)": {},
     "ce (target top-1)": {"loss": "ce"},
     "kl+ce": KL_CE,
-    "norm from target": {"norm_init": "target"},
+    "norm from target (kl)": {"norm_init": "target"},
     "lr 2e-3 (kl+ce)": {**KL_CE, "lr": 2e-3},
     "block 4 (kl+ce)": {**KL_CE, "block_size": 4},
     "block 16 (kl+ce)": {**KL_CE, "block_size": 16},
@@ -107,7 +107,8 @@ def main() -> None:
     report["summary"] = summarize(jobs, records, baseline=baseline)
     report["seconds"] = time.perf_counter() - started
     print(f"recipe benchmark, {report['date']}, {report['machine']}\n")
-    print("\n".join(format_table(report["summary"], f"tau on {args.cache.name}, one change per row")))
+    print("\n".join(format_table(report["summary"], f"tau on {args.cache.name}, one change per row",
+                                        baseline=baseline)))
     if args.json:
         print(json.dumps(report))
 

@@ -137,13 +137,15 @@ def summarize(jobs: list[Job], records: dict[str, dict], baseline: str | None = 
     return out
 
 
-def format_table(summary: list[dict], title: str) -> list[str]:
+def format_table(summary: list[dict], title: str, baseline: str | None = None) -> list[str]:
+    """The summary as a table; the percentages are against `baseline` (default: the first row)."""
     def cell(entry: dict, key: str) -> str:
         text = f"{entry[key]['mean']:.3f} +- {entry[key]['spread']:.3f}"
         paired = entry.get(f"{key}_vs_baseline")
         return text if paired is None else f"{text} ({paired:+.1%})"
 
-    lines = [title + " (mean +- half-range over seeds; (x%): mean per-seed change against the first row)",
+    against = f"the {baseline} row" if baseline else "the first row"
+    lines = [title + f" (mean +- half-range over seeds; (x%): mean per-seed change against {against})",
              f"{'':<24} {'seeds':<6} {'offline':>24} {'replayed':>24} {'online':>24} {'spec/greedy':>11} "
              f"{'lossless':>8} {'fit s':>6}"]
     for entry in summary:
