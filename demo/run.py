@@ -88,6 +88,22 @@ def run(cmd: list[str], *, capture_json: bool = False) -> dict | None:
     return json.loads(lines[-1])
 
 
+def prompts_file(work: Path, num_conversations: int) -> Path:
+    """WORK/chitchat.jsonl with `num_conversations` records: written if missing, reused if it
+    holds that many, refused (naming it) if it holds another number, since the cache and the
+    run under WORK were built from it."""
+    data = work / "chitchat.jsonl"
+    if not data.is_file():
+        records = chitchat_records(limit=num_conversations, max_turns=2)
+        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        return data
+    found = sum(1 for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
+    if found != num_conversations:
+        raise SystemExit(f"{data} holds {found} conversations, --num-conversations asks for {num_conversations}: "
+                         f"give another --work-dir, or delete {data} and the cache and run beside it")
+    return data
+
+
 def bin_path(name: str) -> str:
     """A console script of this environment (the venv `make demo` created)."""
     return str(Path(sys.executable).parent / name)
@@ -118,10 +134,7 @@ def main() -> None:
 
     print("== preparing SmolLM2-135M-Instruct and chitchat prompts", flush=True)
     target = prepare_smollm2(work)
-    data = work / "chitchat.jsonl"
-    if not data.is_file():
-        records = chitchat_records(limit=config.num_conversations, max_turns=2)
-        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    data = prompts_file(work, config.num_conversations)
 
     cache, run_dir = work / "cache", work / "run"
     regenerate = ["--regenerate", "--max-new-tokens", str(config.max_new_tokens)]
