@@ -93,6 +93,7 @@ def main() -> None:
     report = {"date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, "
                          f"load average {os.getloadavg()[0]:.1f} at start"}
+
     def job(label: str, seed: int) -> Job:
         if label == MORE_DATA:
             return Job(label, str(args.more_data), seed, VARIANTS[label], prompts=str(args.more_data_prompts))

@@ -95,6 +95,9 @@ def prompts_file(work: Path, num_conversations: int) -> Path:
     data = work / "chitchat.jsonl"
     if not data.is_file():
         records = chitchat_records(limit=num_conversations, max_turns=2)
+        if len(records) < num_conversations:
+            raise SystemExit(f"--num-conversations {num_conversations}: chitchat_dataset has only {len(records)} "
+                             "usable conversations; ask for at most that many")
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return data
     found = sum(1 for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
