@@ -19,7 +19,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
-    return tiny_fit_config(cache_dir, out, **{**dict(anchors_per_seq=2, epochs=1, checkpoint_every=1000), **overrides})
+    return tiny_fit_config(cache_dir, out, **(dict(anchors_per_seq=2, epochs=1, checkpoint_every=1000) | overrides))
 
 
 def steps_per_epoch(out: Path) -> int:

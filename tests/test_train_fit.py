@@ -26,14 +26,15 @@ from dflash.train.fit import SpikeStop, fit
 from dflash.train.logging import STEP_KEYS
 from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return fit_cache(tmp_path_factory)
 
 
 def tiny_config(cache_dir: Path, out: Path, **overrides) -> FitConfig:
-    return tiny_fit_config(cache_dir, out, **{**dict(anchors_per_seq=6, epochs=2, checkpoint_every=3,
-                                                     keep_checkpoints=10), **overrides})
+    defaults = dict(anchors_per_seq=6, epochs=2, checkpoint_every=3, keep_checkpoints=10)
+    return tiny_fit_config(cache_dir, out, **(defaults | overrides))
 
 
 def read_lines(path: Path) -> list[dict]:
