@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.precompute.data import InputRecord, iter_records
 from dflash.shards.files import atomic_path, fsync_file
-from dflash.shards.records import RecordError, normalize_record
+from dflash.shards.records import InputRecord, RecordError, iter_records, normalize_record
 
 
 class ServerGone(RuntimeError):

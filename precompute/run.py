@@ -50,10 +50,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash.precompute.data import ChatEncoder, Encoded, RecordError, input_sha256, iter_records, normalize_record
+from dflash.precompute.data import ChatEncoder, Encoded
 from dflash.precompute.plan import assign_ranks, plan_batches
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
-from dflash.shards.records import cut_assistant_turns
+from dflash.shards.records import RecordError, cut_assistant_turns, input_sha256, iter_records, normalize_record
 from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
 
 

@@ -11,11 +11,29 @@
 
 `prompt_messages` cuts a record to the messages up to and including its last user turn,
 the prompt that online evaluation decodes from.
+
+`iter_records` is the one reader of input files, used by `dflash-precompute`,
+`dflash-regenerate` and `dflash-train eval --online` alike, so that a record's index means
+the same thing everywhere (eval pairs prompts with cached sequences by it). It streams
+`InputRecord`s from JSONL (plain, or zstandard-compressed `.jsonl.zst`, read as a stream),
+JSON (a list, or an `{id: record}` object), Parquet or a `datasets` directory, each with a
+source `{"file", "index"}`: for JSONL the index is the 0-based line number, split on b"\n"
+only (a JSON string may hold U+2028, U+2029 or U+0085, which `str.splitlines` would also
+split on); elsewhere the 0-based record position. A JSONL line that is not UTF-8 or not JSON
+(or nests too deeply to parse) is an `InputRecord` with an `error`, never an exception, so
+one bad line costs one record. Parquet needs pyarrow, `datasets` folders the `datasets`
+package (imported only when such a folder is read).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
 
 ROLE_ALIASES = {
     "human": "user",
@@ -136,3 +154,173 @@ def cut_assistant_turns(data: Any, messages: list[dict[str, str]]) -> frozenset[
     if len(reasons) != len(turns):
         raise RecordError(f"field 'finish_reasons' has {len(reasons)} entries for {len(turns)} assistant turns")
     return frozenset(i for i, reason in zip(turns, reasons) if reason == "length")
+
+
+# ----------------------------------------------------------------------------- reading
+
+@dataclass
+class InputRecord:
+    """One record as read from an input file."""
+
+    file: str
+    """The input path as given on the command line (or `dir/split` for a DatasetDict)."""
+    index: int
+    """0-based line number (JSONL) or record position (JSON, Parquet, datasets)."""
+    data: Any
+    """The parsed record; None when `error` is set."""
+    error: str | None = None
+    """Why the record could not be read (e.g. invalid JSON)."""
+
+    @property
+    def source(self) -> dict[str, Any]:
+        return {"file": self.file, "index": self.index}
+
+
+# ----------------------------------------------------------------------------- readers
+
+def input_format(path: Path, flag: str = "--data") -> str:
+    """"jsonl", "jsonl.zst", "json", "parquet" or "datasets" for `path`; ValueError naming
+    `flag` (the option that gave the path) when unknown."""
+    if path.is_dir():
+        return "datasets"
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file or directory")
+    if path.name.lower().endswith((".jsonl.zst", ".ndjson.zst")):
+        return "jsonl.zst"
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix == ".json":
+        return "json"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(
+        f"{flag} {path}: unknown format {suffix!r}; give a .jsonl, .jsonl.zst, .json or .parquet file "
+        "or a directory written by datasets' save_to_disk"
+    )
+
+
+def iter_records(paths: Sequence[str | Path], limit: int | None = None, *,
+                 flag: str = "--data") -> Iterator[InputRecord]:
+    """Stream the records of every input in order, at most `limit` in total. Errors about a
+    whole file (unknown format, not JSON) name `flag`, the option that gave the paths."""
+    count = 0
+    for path in paths:
+        for record in _iter_one(Path(path), str(path), flag):
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield record
+
+
+def _iter_one(path: Path, name: str, flag: str) -> Iterator[InputRecord]:
+    fmt = input_format(path, flag)
+    if fmt in ("jsonl", "jsonl.zst"):
+        yield from _iter_jsonl(path, name)
+    elif fmt == "json":
+        yield from _iter_json(path, name, flag)
+    elif fmt == "parquet":
+        yield from _iter_parquet(path, name)
+    else:
+        yield from _iter_datasets(path, name, flag)
+
+
+def _iter_jsonl(path: Path, name: str) -> Iterator[InputRecord]:
+    with open_lines(path) as f:
+        for index, raw in enumerate(f):
+            if not raw.strip():
+                continue  # blank lines are not records
+            yield _parse_line(raw, name, index)
+
+
+def open_lines(path: Path) -> BinaryIO:
+    """`path` opened for reading lines of bytes; a `.zst` file is decompressed as a stream
+    (constant memory, however large the corpus)."""
+    if not path.name.lower().endswith(".zst"):
+        return open(path, "rb")
+    import zstandard
+
+    raw = open(path, "rb")
+    try:
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    except BaseException:
+        raw.close()
+        raise
+    return io.BufferedReader(stream, buffer_size=1 << 20)
+
+
+def _parse_line(raw: bytes, name: str, index: int) -> InputRecord:
+    """One JSONL line as a record, or as an error that rejects just this line."""
+    try:
+        return InputRecord(name, index, json.loads(raw.decode("utf-8")))
+    except UnicodeDecodeError as e:
+        return InputRecord(name, index, None, f"invalid UTF-8 at byte {e.start}")
+    except json.JSONDecodeError as e:
+        return InputRecord(name, index, None, f"invalid JSON: {e.msg}")
+    except RecursionError:
+        return InputRecord(name, index, None, "invalid JSON: nested too deeply to parse")
+
+
+def _iter_json(path: Path, name: str, flag: str) -> Iterator[InputRecord]:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # one JSON value per line under a .json name
+            yield from _iter_jsonl(path, name)
+            return
+        raise ValueError(f"{flag} {path}: not valid JSON ({e}); fix the file or use JSONL") from e
+    except RecursionError:
+        raise ValueError(f"{flag} {path}: JSON nested too deeply to parse; use JSONL") from None
+    if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
+        data = list(data.values())  # {id: record} mappings, in file order
+    if not isinstance(data, list):
+        raise ValueError(
+            f"{flag} {path}: a JSON input must be a list of records or an {{id: record}} "
+            f"object, got {type(data).__name__}"
+        )
+    for index, record in enumerate(data):
+        yield InputRecord(name, index, record)
+
+
+def _iter_parquet(path: Path, name: str) -> Iterator[InputRecord]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield InputRecord(name, index, record)
+            index += 1
+
+
+def _iter_datasets(path: Path, name: str, flag: str) -> Iterator[InputRecord]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"{flag} {path}: a directory must be a dataset saved with datasets' save_to_disk ({e})"
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = [(str(Path(name) / split), loaded[split]) for split in sorted(loaded)]
+    else:
+        splits = [(name, loaded)]
+    for split_name, dataset in splits:
+        for index, record in enumerate(dataset):
+            yield InputRecord(split_name, index, record)
+
+
+def input_sha256(path: str | Path) -> str:
+    """sha256 of an input file, or of a directory's files (sorted relative paths and bytes)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()

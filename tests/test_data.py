@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from dflash.precompute.data import ChatEncoder, RecordError, input_sha256, iter_records, normalize_record
+from dflash.precompute.data import ChatEncoder
+from dflash.shards.records import RecordError, input_sha256, iter_records, normalize_record
 from dflash.precompute.plan import assign_ranks, plan_batches
 from tests.builders import CONVERSATIONS, build_tokenizer, write_jsonl
 

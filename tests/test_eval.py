@@ -7,6 +7,8 @@ the block positions they are given, so a scorer that compared block position k w
 top-1 at a+k (the off-by-one peers shipped) instead of a+k-1 fails them.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from dflash.train.evaluate import (
     sequence_acceptance,
     target_top1,
 )
-from dflash.shards.records import prompt_messages
+from dflash.shards.records import iter_records, prompt_messages
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
@@ -268,6 +270,22 @@ def test_load_prompts_keeps_sources_and_rejects(tmp_path):
     assert [p.source["index"] for p in prompts] == [0, 4]
     assert "".join(map(chr, prompts[0].token_ids)) == "user:hi\nassistant:"
     assert [(r["index"], r["reason"]) for r in rejected] == [
-        (2, "invalid JSON on line 3"), (3, "a 'text' record has no user turn to use as a prompt")]
+        (2, "invalid JSON: Expecting value on line 3"), (3, "a 'text' record has no user turn to use as a prompt")]
     kept, _ = load_prompts(path, TemplateTokenizer(), keep={4})
     assert [p.source["index"] for p in kept] == [4]
+
+
+def test_prompt_indices_are_stage_ones_despite_unicode_line_separators(tmp_path):
+    # U+2028 / U+2029 / U+0085 inside a JSON string are not line ends in JSONL; a reader that
+    # splits on them (str.splitlines) shifts every later index, and eval then pairs prompts
+    # with other records' cached sequences.
+    records = [{"messages": [{"role": "user", "content": "a\u2028b\u2029c\u0085d"},
+                             {"role": "assistant", "content": "x"}]},
+               {"prompt": "first held out"}, {"prompt": "second held out"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert [r.index for r in iter_records([path])] == [0, 1, 2]
+    prompts, rejected = load_prompts(path, TemplateTokenizer(), keep={1, 2})
+    assert rejected == []
+    assert [(p.source["index"], "".join(map(chr, p.token_ids))) for p in prompts] == [
+        (1, "user:first held out\nassistant:"), (2, "user:second held out\nassistant:")]

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.precompute.cli import main
-from dflash.precompute.data import ChatEncoder, normalize_record
+from dflash.precompute.data import ChatEncoder
+from dflash.shards.records import normalize_record
 from dflash.precompute.run import _build_spec, run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache, verify_cache

@@ -14,12 +14,9 @@ default.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
 import json
-import textwrap
 import types
 import typing
 try:
@@ -31,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash.shards.options import NONE_WORD, FieldInfo, field_docs, field_info
 from dflash.train.gating import GatingConfig
 
-# A field whose metadata holds NONE_WORD also accepts that word (flag or TOML) for None.
-NONE_WORD = "none_word"
 AUTO = {NONE_WORD: "auto"}
 
 
@@ -341,49 +337,10 @@ RESUMABLE_CHANGES = frozenset({
 assert RESUMABLE_CHANGES <= FIELDS
 
 
-@dataclass(frozen=True)
-class FieldInfo:
-    """One leaf field as the command line shows it."""
-
-    name: str
-    type: Any
-    """The resolved annotation (`int`, `float | None`, `Literal[...]`, `list[str]`, ...)."""
-    default: Any
-    """The default value (dataclasses.MISSING when the field is required)."""
-    doc: str
-    """The field's docstring on one line ('' when the source cannot be read)."""
-    none_word: str | None
-    """The word that stands for None (flag or TOML), if any."""
-
-
 def describe_fields() -> Iterator[FieldInfo]:
     """Every leaf field in FitConfig's order, with its type, default and docstring."""
-    for name, (section, spec) in LEAVES.items():
-        cls = COMPONENTS[section] if section else FitConfig
-        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-        yield FieldInfo(name=name, type=typing.get_type_hints(cls)[name], default=default,
-                        doc=field_docs(cls).get(name, ""), none_word=spec.metadata.get(NONE_WORD))
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: its docstring on one line}: the string literal under each annotated field.
-
-    Read from the class's source with `ast`, so it works wherever the .py file is installed
-    (editable or not); without a source (a bytecode-only install) the docs are empty.
-    """
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    for section, spec in LEAVES.values():
+        yield field_info(COMPONENTS[section] if section else FitConfig, spec)
 
 
 def load_toml(path: str | Path) -> dict:

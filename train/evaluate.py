@@ -46,7 +46,7 @@ row chunks, so logits over V exist for at most `argmax_rows` rows at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ import torch
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import write_json_atomic
 from dflash.shards.fingerprint import target_fingerprint
-from dflash.shards.records import prompt_messages
+from dflash.shards.records import iter_records, prompt_messages
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.basis import match_features
 from dflash.train.data import eligible_anchors
@@ -287,27 +287,6 @@ class Prompt:
     token_ids: list[int]
 
 
-def iter_prompt_records(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(0-based line, parsed record) of every non-blank line of a JSONL file (or the elements
-    of a JSON list); a line that is not JSON gives (line, None)."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None
-        if isinstance(data, list):
-            yield from enumerate(data)
-            return
-    for index, line in enumerate(text.splitlines()):
-        if line.strip():
-            try:
-                yield index, json.loads(line)
-            except json.JSONDecodeError:
-                yield index, None
-
-
 def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = None,
                  limit: int | None = None, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], list[dict[str, Any]]]:
@@ -319,17 +298,17 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
     if tokenizer.chat_template is None and chat_template is None:
         raise ValueError("the target's tokenizer has no chat template: online eval renders prompts with it")
     prompts, rejected = [], []
-    for index, record in iter_prompt_records(path):
-        if keep is not None and index not in keep:
+    for record in iter_records([path], flag="--prompts"):
+        if keep is not None and record.index not in keep:
             continue
         if limit is not None and len(prompts) >= limit:
             break
-        source = {"file": str(path), "index": index}
+        source = {"file": str(path), "index": record.index}
         try:
-            if record is None:
-                raise ValueError(f"invalid JSON on line {index + 1}")
+            if record.error is not None:
+                raise ValueError(f"{record.error} on line {record.index + 1}")
             template = {} if chat_template is None else {"chat_template": chat_template}
-            text = tokenizer.apply_chat_template(prompt_messages(record), tokenize=False,
+            text = tokenizer.apply_chat_template(prompt_messages(record.data), tokenize=False,
                                                  add_generation_prompt=True, **template,
                                                  **(chat_template_kwargs or {}))
         except ValueError as e:
