@@ -149,7 +149,8 @@ def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, 
             "dtype; cast one of them (e.g. hidden.to(weight.dtype))"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.is_floating_point():
-        raise ValueError(f"sparse_kl_loss: topk_ids must be [{n}, k] integer, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+        raise ValueError(f"sparse_kl_loss: topk_ids must be [{n}, k] integer, "
+                         f"got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
         raise ValueError(
             f"sparse_kl_loss: topk_logprobs must be float of topk_ids' shape {tuple(topk_ids.shape)}, "

@@ -417,7 +417,8 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
     for shard, (shard_path, entry) in enumerate(zip(cache.shard_paths, cache.shards)):
         name = entry["path"]
         if not shard_path.exists():
-            problems.append({"shard": name, "problem": f"file is missing (listed in manifest.json shards[{shard}].path)"})
+            problem = f"file is missing (listed in manifest.json shards[{shard}].path)"
+            problems.append({"shard": name, "problem": problem})
             continue
         digest = file_sha256(shard_path)
         if digest != entry["sha256"]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from dflash.shards.records import prompt_messages
 from dflash.train.evaluate import (
     block_acceptance,
     evaluate_offline,
@@ -20,7 +21,6 @@ from dflash.train.evaluate import (
     sequence_acceptance,
     target_top1,
 )
-from dflash.shards.records import prompt_messages
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
@@ -250,7 +250,8 @@ class TemplateTokenizer:
 
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         assert not tokenize
-        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
 
     def __call__(self, text, add_special_tokens):
         assert not add_special_tokens

@@ -19,8 +19,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.faults import (bad_input, corruption, disk_full, fit_kill, harness, numeric, precompute_kill, refusals,
-                          untrusted)
+from tests.faults import (
+    bad_input,
+    corruption,
+    disk_full,
+    fit_kill,
+    harness,
+    numeric,
+    precompute_kill,
+    refusals,
+    untrusted,
+)
 from tests.faults.workspace import (
     FinalNameWatcher,
     Outcome,

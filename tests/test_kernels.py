@@ -91,7 +91,8 @@ def test_teacher_tail_extremes(impl, tail_level):
     shares = torch.softmax(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), 1)
     logprobs = (shares.double() * (1 - tail_level)).log().float()  # [N, k]: sum q = 1 - tail_level
     ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight)
-    out, dx, _ = loss_and_grads(lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **impl_kwargs(impl, v)), hidden, weight)
+    out, dx, _ = loss_and_grads(lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **impl_kwargs(impl, v)),
+                                hidden, weight)
     # The fp32 log-probs carry ~6e-8 relative error, so the teacher tail is known only to
     # ~k * 6e-8 absolute: the loss is compared with that much slack on top.
     assert abs(out.item() - ref.item()) <= FP32_TOL * abs(ref.item()) + 1e-6
@@ -146,7 +147,8 @@ def test_cross_entropy_term(impl, tail):
     targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(6))
     targets[::2] = ids[::2, 0]
     kw = dict(tail=tail, ce_targets=targets, ce_weight=0.3)
-    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, **kw), hidden, weight, grad_weight=True)
+    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, **kw), hidden, weight,
+                                         grad_weight=True)
     out, dx, dw = loss_and_grads(
         lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **kw, **impl_kwargs(impl, v)), hidden, weight, grad_weight=True
     )

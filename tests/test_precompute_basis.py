@@ -16,7 +16,14 @@ from dflash.precompute.basis import sample_positions
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.basis import BASIS_FILE
-from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config as config, write_jsonl
+from tests.builders import (
+    KILLED_RUN,
+    RECORDS,
+    SUBPROCESS_ENV as ENV,
+    build_target,
+    precompute_config as config,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,8 +21,6 @@ from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
 from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config, write_jsonl
 
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

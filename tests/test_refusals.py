@@ -174,7 +174,8 @@ def test_out_must_be_empty_absent_or_a_run(synthetic_training_cache, tmp_path):
     runner = CliRunner()
     cache_copy = shutil.copytree(synthetic_training_cache, tmp_path / "cache")
     before = sorted(p.name for p in cache_copy.iterdir())
-    result = runner.invoke(train_main, ["fit", "--cache", str(synthetic_training_cache), "--out", str(cache_copy), *FIT])
+    result = runner.invoke(train_main, ["fit", "--cache", str(synthetic_training_cache), "--out", str(cache_copy),
+                                        *FIT])
     assert_one_line_error(result, "not a dflash run folder", "a dflash cache")
     assert sorted(p.name for p in cache_copy.iterdir()) == before
     model = tmp_path / "model"
@@ -217,7 +218,8 @@ def test_paths_are_stored_resolved_and_toml_paths_are_relative_to_the_file(tmp_p
 def test_fit_user_errors_are_one_line(synthetic_training_cache, tmp_path):
     runner = CliRunner()
     cache = str(synthetic_training_cache)
-    result = runner.invoke(train_main, ["fit", "--cache", str(tmp_path / "missing"), "--out", str(tmp_path / "r1"), *FIT])
+    result = runner.invoke(train_main, ["fit", "--cache", str(tmp_path / "missing"), "--out", str(tmp_path / "r1"),
+                                        *FIT])
     assert_one_line_error(result, "missing")
     toml = tmp_path / "bad.toml"
     toml.write_text('num_layers = "one"\n')

@@ -17,11 +17,11 @@ from dflash.shards import (
     FORMAT_VERSION,
     CacheSpec,
     CacheWriter,
+    codecs,
     finalize_cache,
     open_cache,
     verify_cache,
 )
-from dflash.shards import codecs
 from dflash.shards.rows import encode_row
 from dflash.shards.spec import READ_VERSIONS
 from dflash.shards.synthetic import synthetic_row, write_synthetic_cache
@@ -254,7 +254,8 @@ def _corrupt(name, value):
         (_corrupt("input_ids", lambda r: np.zeros(33, np.int64)), "exceed max_length 32"),
         (_corrupt("loss_mask", lambda r: np.full(len(r["input_ids"]), 2)), "loss_mask must be bool"),
         (_corrupt("input_ids", lambda r: r["input_ids"].astype(np.float32)), "must hold integers"),
-        (_corrupt("tail_mass", lambda r: np.full(len(r["input_ids"]), 1.5)), r"tail_mass must be finite and in \[0, 1\]"),
+        (_corrupt("tail_mass", lambda r: np.full(len(r["input_ids"]), 1.5)),
+         r"tail_mass must be finite and in \[0, 1\]"),
     ],
 )
 def test_bad_rows_are_refused_naming_the_source(tmp_path, change, message):
@@ -456,7 +457,8 @@ def test_unknown_format_version_is_refused(tmp_path):
     write(tmp_path, spec, make_rows(spec, lengths=[3]))
     _edit_manifest(tmp_path, lambda m: m.update(format_version=FORMAT_VERSION + 98))
     with pytest.raises(ValueError, match=rf"version {FORMAT_VERSION + 98}; this dflash reads version\(s\) "
-                                         rf"{', '.join(map(str, READ_VERSIONS))}\. Upgrade dflash .* re-run dflash-precompute"):
+                                         rf"{', '.join(map(str, READ_VERSIONS))}\. "
+                                         r"Upgrade dflash .* re-run dflash-precompute"):
         open_cache(tmp_path)
 
 

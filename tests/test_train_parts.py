@@ -138,7 +138,8 @@ def test_checkpoint_refuses_pickled_objects(tmp_path):
             return (os.system, ("true",))
 
     torch.save({"state": Evil()}, path / "optimizer.pt")
-    with pytest.raises(ValueError, match=r"optimizer\.pt: cannot read the checkpoint's optimizer state: .*[Ww]eights only"):
+    with pytest.raises(ValueError,
+                       match=r"optimizer\.pt: cannot read the checkpoint's optimizer state: .*[Ww]eights only"):
         load_checkpoint(path)
 
 
@@ -165,7 +166,8 @@ def test_toml_then_flags(tmp_path):
     path.write_text('cache = ["a", "b"]\nout = "run"\nblock-size = 8\nlr = 1e-3\ndecay_gamma = "auto"\n')
     config = resolve(path, {"lr": 2e-3, "epochs": None})
     # Paths in the file are relative to the file.
-    assert config.cache == [str(tmp_path / "a"), str(tmp_path / "b")] and config.model.block_size == 8 and config.optimizer.lr == 2e-3
+    assert config.cache == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert config.model.block_size == 8 and config.optimizer.lr == 2e-3
     assert config.data.epochs == 6 and config.loss.decay_gamma is None
 
 
@@ -382,8 +384,8 @@ def test_failed_checkpoint_write_names_the_file_and_cause(tmp_path, monkeypatch)
         path.write_bytes(b"partial")
         try:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError:  # torch.save reports it as its own RuntimeError, the OSError as context
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 72256 vs 72144")
+        except OSError:  # torch.save reports it as its own RuntimeError, the OSError as context (not cause)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 72256 vs 72144")  # noqa: B904
 
     monkeypatch.setattr(checkpoint_module, "_torch_save", full_disk)
     writer = CheckpointWriter(tmp_path, keep=2)

@@ -22,10 +22,11 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -173,7 +174,8 @@ def wait_for(condition: Callable[[], bool], child: Child, timeout_s: float = 300
 
 
 def is_temporary(rel: Path) -> bool:
-    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/` (shards.files.atomic_dir)."""
+    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/`
+    (shards.files.atomic_dir)."""
     return any(".tmp" in part or part.endswith((".partial", ".stale")) for part in rel.parts)
 
 
