@@ -1,6 +1,7 @@
-"""What the tools refuse (issue 16): a target that is not a causal LM, caches and targets of
-another target, empty results, flags without effect, two writers on a run, an --out that is
-not a run, relative paths; and that every user error is one `Error:` line."""
+"""What fit, eval and export refuse, each with an error that says what to do: a target that
+is not a causal LM, caches and targets of another target, empty results, flags without effect,
+two writers on a run, an --out that is not a run, relative paths; and that every user error is
+one `Error:` line."""
 
 from __future__ import annotations
 
