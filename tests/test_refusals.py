@@ -19,7 +19,7 @@ from dflash.train.cli import main as train_main
 from dflash.train.config import FitConfig, load_toml, resolve
 from dflash.train.identity import caches_fingerprint, check_same_target
 from dflash.train.runlock import RunLock, check_out_folder
-from tests.builders import tiny_causal_lm
+from tests.builders import tiny_causal_lm, tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -284,10 +284,8 @@ def test_ctrl_c_says_where_to_resume(synthetic_training_cache, tmp_path, monkeyp
             raise KeyboardInterrupt
 
     monkeypatch.setattr(fit_module, "_log_step", interrupt_at_step_2)
-    config = FitConfig.from_dict({"cache": [str(synthetic_training_cache)], "out": str(tmp_path / "run"),
-                                  "num_layers": 1, "block_size": 4, "anchors_per_seq": 6, "epochs": 1,
-                                  "max_steps": 3, "tokens_per_step": 96, "eval_every": 0, "wandb": False,
-                                  "checkpoint_every": 1})
+    config = tiny_fit_config(synthetic_training_cache, tmp_path / "run", anchors_per_seq=6, epochs=1,
+                             max_steps=3, checkpoint_every=1)
     with pytest.raises(KeyboardInterrupt):
         fit_module.fit(config)
     err = capsys.readouterr().err
