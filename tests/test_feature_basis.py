@@ -116,7 +116,7 @@ def test_mixing_bases_is_refused(tmp_path):
     assert a.feature_basis_sha256 != b.feature_basis_sha256
     for other in (b, raw):
         with pytest.raises(ValueError, match=rf"{tmp_path / 'a'}.*basis {a.feature_basis_sha256[:12]}.*"
-                                             rf"but {other.root}"):
+                                             rf"but {other.path}"):
             Corpus([a, other])
     Corpus([a, open_cache(tmp_path / "a")])  # the same basis mixes
 
