@@ -29,7 +29,7 @@ from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config
 LAYER_IDS = [1, 3]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 def last_json(output: str) -> dict:

@@ -163,6 +163,7 @@ def test_match_features_refuses_a_foreign_basis(tmp_path):
         match_features(DFlashDrafter(drafter_config()), a, [])
 
 
+@pytest.mark.e2e  # fit, export and eval
 def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
     from dflash.train.evaluate import EvalConfig, run_eval
     from dflash.train.export import export_run, load_exported

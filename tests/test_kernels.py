@@ -223,6 +223,7 @@ def test_input_errors(change, message):
         sparse_kl_loss(**args)
 
 
+@pytest.mark.e2e  # a subprocess
 def test_imports_and_runs_without_triton():
     """macOS installs have no triton: the package imports, torch works, triton says why not."""
     code = (

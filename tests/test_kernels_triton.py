@@ -125,6 +125,7 @@ def test_config_validation(field, value):
         TritonConfig(**{field: value})
 
 
+@pytest.mark.e2e  # a subprocess
 def test_cpu_tensors_without_interpreter_raise():
     code = (
         "import torch\n"
@@ -179,6 +180,7 @@ print("compiled", len(variants))
 """
 
 
+@pytest.mark.e2e  # a subprocess that compiles the kernel
 def test_compiles_for_hopper():
     ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):

@@ -25,7 +25,7 @@ from tests.builders import (
     write_jsonl,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 CODEC = dict(feature_codec="basis-fp8", feature_rank=24, basis_sample_tokens=200, shard_max_rows=2)
 

@@ -21,7 +21,7 @@ from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
 from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config, write_jsonl
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

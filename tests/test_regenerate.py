@@ -25,6 +25,8 @@ from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
 from tests.builders import CHATML_TEMPLATE, build_target, write_jsonl
 
+pytestmark = pytest.mark.e2e
+
 FLAG_TEMPLATE = (
     "{%- if flag is defined %}{{- '<|im_start|>system\\nflag=' ~ flag ~ '<|im_end|>\\n' }}{%- endif %}"
     + CHATML_TEMPLATE

@@ -372,6 +372,7 @@ def _write_then_get_killed(cache_dir, spec, start, stop):
         proc.wait()
 
 
+@pytest.mark.e2e  # SIGKILLed writer subprocesses
 def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
     spec = make_spec(shard_max_rows=2)
     # A finalized cache of records 0-3 (two shards), then a later run adds 4-8 and is killed
@@ -405,6 +406,7 @@ def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
     assert verify_cache(tmp_path)["ok"]
 
 
+@pytest.mark.e2e  # a SIGKILLed writer subprocess
 def test_killed_first_writer_leaves_no_cache(tmp_path):
     spec = make_spec(shard_max_rows=2)
     _write_then_get_killed(tmp_path, spec, 0, 3)
@@ -597,6 +599,7 @@ def test_verify_passes_on_a_good_cache(tmp_path):
     assert report == {"ok": True, "problems": [], "num_shards": 4, "num_sequences": len(LENGTHS)}
 
 
+@pytest.mark.e2e  # a fresh interpreter
 def test_shards_imports_no_torch_or_models(tmp_path):
     spec = make_spec()
     write(tmp_path, spec, make_rows(spec, lengths=[3]))

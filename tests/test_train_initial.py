@@ -12,6 +12,8 @@ from dflash.train.fit import fit
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
