@@ -18,7 +18,10 @@ from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import TritonConfig
 from tests.builders import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
 
-IMPLS = ["naive", "torch", "triton"]
+# The Triton kernel runs in its CPU interpreter here (conftest): seconds per case, so its cases
+# are outside the quick loop (`pytest -m "not e2e"`); `make test` runs them.
+TRITON = pytest.param("triton", marks=pytest.mark.e2e)
+IMPLS = ["naive", "torch", TRITON]
 # Tiles of 128 give V=1031 nine tiles, the last one partial, in each of the row kernel's
 # sweeps; a workspace of 16 rows (fp32 [C, V] for both paths) splits N=37 into three
 # balanced chunks of 13, 13 and 11 rows, and N=64 into four.
@@ -168,7 +171,7 @@ def test_argmax_is_logits_argmax(impl, tail):
     assert loss.item() == pytest.approx(truth(hidden, weight, ids, logprobs, tail=tail).item(), rel=FP32_TOL)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", TRITON])
 @pytest.mark.parametrize("tail", ["bucket", "renorm"])
 def test_bf16_no_worse_than_bf16_reference(impl, tail):
     """The Cut Cross-Entropy criterion: with bf16 inputs, the error against the fp64 truth
