@@ -1,6 +1,7 @@
-# The two commands of the README. Both create .venv on first use and reuse it afterwards.
+# The commands of the README. Each creates .venv on first use and reuses it afterwards.
 #   make demo   install, then train and evaluate a drafter for SmolLM2-135M-Instruct on CPU
 #   make test   install, then run the test suite (what CI runs, through .ci/run)
+#   make lint   ruff over the tree, with the rules in pyproject.toml (CI runs it before the tests)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 PYTEST_ARGS ?=
 
-.PHONY: test demo install clean-venv
+.PHONY: test lint demo install clean-venv
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -36,6 +37,9 @@ install: $(VENV)/.test
 
 test: $(VENV)/.test
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
 
 demo: $(VENV)/.demo
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m demo.run

@@ -70,9 +70,7 @@ def shard_io():
 def build_caches(source: Path, work: Path, grid, sample_tokens: int) -> list[dict]:
     from dflash.shards import open_cache
     from dflash.shards.report import bytes_per_token
-    from dflash.shards.transcode import transcode_cache
-
-    from dflash.shards.transcode import sample_moment
+    from dflash.shards.transcode import sample_moment, transcode_cache
 
     hidden = open_cache(source).spec.hidden_size
     moment = None  # one sample's second moment for every rank (its fit time is counted once)
@@ -205,7 +203,8 @@ def format_report(report: dict) -> str:
         lines.append("")
     if report.get("reads"):
         lines.append("random-access reads, one thread, warm page cache (tokens per CPU-second; raw = zero-copy views)")
-        lines.append(f"{'shape':<14} {'format':<26} {'raw tok/CPU-s':>13} {'decoded tok/CPU-s':>17} {'vs safetensors':>14}")
+        lines.append(f"{'shape':<14} {'format':<26} {'raw tok/CPU-s':>13} {'decoded tok/CPU-s':>17} "
+                     f"{'vs safetensors':>14}")
         for shape in dict.fromkeys(r["shape"] for r in report["reads"]):
             rows = [r for r in report["reads"] if r["shape"] == shape]
             base = next(r["tokens_per_cpu_s"] for r in rows if r["format"] == "safetensors per sample")

@@ -143,7 +143,8 @@ def cpu_rows(shape, iters: int) -> list[dict]:
         rows.append({
             "impl": impl, "shape": list(shape), "dtype": "float32", "median_ms": ms,
             "times_ms": [t * 1e3 for t in times], "tflops": 4 * n * h * v / (ms * 1e-3) / 1e12,
-            "peak_extra_mib": mem["extra_bytes"] / 2**20, "memory_method": "VmHWM - VmRSS after clear_refs, fresh subprocess",
+            "peak_extra_mib": mem["extra_bytes"] / 2**20,
+            "memory_method": "VmHWM - VmRSS after clear_refs, fresh subprocess",
         })
     naive = rows[0]
     for row in rows:
@@ -212,7 +213,7 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
         hidden, weight, ids, logprobs = make_inputs(*shape, dtype=torch.bfloat16, device="cuda")
         flops = 4 * n * h * v
         w_t = weight.T
-        mm_ms = statistics.median(cuda_time_ms(lambda: torch.mm(hidden.detach(), w_t), iters))
+        mm_ms = statistics.median(cuda_time_ms(lambda hidden=hidden, w_t=w_t: torch.mm(hidden.detach(), w_t), iters))
         mm_tflops = 2 * n * h * v / (mm_ms * 1e-3) / 1e12
         emit({"impl": "torch.mm bf16 [N,H]x[H,V]", "shape": list(shape), "k": k, "median_ms": mm_ms,
               "tflops": mm_tflops, "mm_ratio": 1.0, "peak_extra_mib": None})
@@ -225,10 +226,11 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
             "chunked cuBLAS only": None,
             "torch": sparse_kl("torch"),
             "naive": sparse_kl("naive"),
-            "triton k=1": lambda x, w, _ids, _lq: sparse_kl_loss(x, w, labels, zeros, impl="triton"),
+            "triton k=1": lambda x, w, _ids, _lq, labels=labels, zeros=zeros: sparse_kl_loss(
+                x, w, labels, zeros, impl="triton"),
         }
         for name, fn in k1_competitors().items():
-            candidates[f"{name} k=1"] = lambda x, w, _ids, _lq, fn=fn: fn(x, w, labels[:, 0])
+            candidates[f"{name} k=1"] = lambda x, w, _ids, _lq, fn=fn, labels=labels: fn(x, w, labels[:, 0])
         if shape_index == 0:  # the launch-option and workspace sweep, on the large shape only
             for label, kw in triton_sweep.items():
                 candidates[label] = sparse_kl("triton", **kw)
@@ -243,11 +245,13 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
                 emit(row)
                 continue
 
+            # run is called only in this iteration, and must not keep this shape's tensors
+            # alive past the `del` below (default arguments would): hence the noqa.
             def run(fn=fn):
                 if fn is None:
-                    chunked_cublas_step(hidden, weight, workspace_bytes)
+                    chunked_cublas_step(hidden, weight, workspace_bytes)  # noqa: B023, F821
                 else:
-                    step(fn, hidden, weight, ids, logprobs)
+                    step(fn, hidden, weight, ids, logprobs)  # noqa: B023, F821
 
             try:
                 times = cuda_time_ms(run, iters)
@@ -255,7 +259,7 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
                 row.update(median_ms=ms, times_ms=times, tflops=flops / (ms * 1e-3) / 1e12,
                            peak_extra_mib=cuda_peak_extra_mib(run))
                 row["mm_ratio"] = row["tflops"] / mm_tflops
-            except Exception as err:  # a failing competitor (OOM, compile error) is a table row, not a crash
+            except Exception as err:  # noqa: BLE001  a failing competitor (OOM, compile error) is a row, not a crash
                 first_line = (str(err).splitlines() or [""])[0][:200]
                 row["error"] = f"{type(err).__name__}: {first_line}"
             emit(row)
@@ -313,7 +317,8 @@ def main() -> None:
     if device == "cpu":
         shape = QUICK_CPU_SHAPE if args.quick else CPU_SHAPE
         rows = cpu_rows(shape, args.iters or 3)
-        machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"torch threads {torch.get_num_threads()}")
         print(f"sparse_kl_loss forward + backward (dX only), cpu: {machine}")
         print_cpu_table(rows)
     else:

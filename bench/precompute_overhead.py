@@ -32,10 +32,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
-from demo.prepare import prepare_chitchat, prepare_smollm2  # noqa: E402
-from dflash.precompute.plan import plan_batches  # noqa: E402
-from dflash.precompute.run import PrecomputeConfig, run_precompute  # noqa: E402
-from dflash.shards import open_cache, topk_codec_kl  # noqa: E402
+from demo.prepare import prepare_chitchat, prepare_smollm2
+from dflash.precompute.plan import plan_batches
+from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.shards import open_cache, topk_codec_kl
 
 
 class Clock:

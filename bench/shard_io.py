@@ -240,7 +240,8 @@ def bench_shape(shape: str, num_tokens: int, seq_len: int, root: Path, seed: int
         path = root / f"{shape}-{feature_codec}-{topk_codec}"
         written = write_cache(path, spec_for(shape, feature_codec, topk_codec, int(lengths.max())), rows)
         sizes[name] = written.pop("bytes_per_token")
-        results.append({"shape": shape, "format": f"dflash {name}", **written, **run_worker("cache", str(path), str(seed))})
+        read = run_worker("cache", str(path), str(seed))
+        results.append({"shape": shape, "format": f"dflash {name}", **written, **read})
         shutil.rmtree(path)
     for kind in ("torch", "safetensors"):
         path = root / f"{shape}-{kind}"
@@ -308,8 +309,8 @@ def format_tables(report: dict) -> str:
             lines.append(f"{shape:<14} {name:<24} {features:>10} {topk:>8} {ids_text:>9} {bpt['total']:>10.1f}")
     lines += ["", "write (with fsync) and random-access read (one thread, warm page cache; decoded = float32 features)"]
     lines.append("(per CPU-s: bytes over the reader's CPU time, i.e. one core's cost; wall: as this run saw it)")
-    lines.append(f"{'shape':<14} {'format':<24} {'write MB/s':>10} {'MB/CPU-s':>8} {'1st sample s':>12} {'tok/CPU-s':>10} "
-                 f"{'GB/CPU-s':>9} {'GB/s wall':>9} {'raw GB/CPU-s':>12} {'RSS MB':>7}")
+    lines.append(f"{'shape':<14} {'format':<24} {'write MB/s':>10} {'MB/CPU-s':>8} {'1st sample s':>12} "
+                 f"{'tok/CPU-s':>10} {'GB/CPU-s':>9} {'GB/s wall':>9} {'raw GB/CPU-s':>12} {'RSS MB':>7}")
     for r in report["io"]:
         raw = "-" if r["raw_gb_per_cpu_s"] is None else f"{r['raw_gb_per_cpu_s']:.2f}"
         lines.append(f"{r['shape']:<14} {r['format']:<24} {r['write_mb_per_s']:>10.0f} {r['write_mb_per_cpu_s']:>8.0f} "
@@ -329,7 +330,8 @@ def format_tables(report: dict) -> str:
         lines.append(f"{r['shape']:<14} {r['vocab_size']:>7} {r['packed_bytes_per_token']:>14} "
                      f"{r['raw_reference_bytes_per_token']:>11} {r['mean_kl_nats']:>15.2e}")
     m = report["many_shards"]
-    lines += ["", f"{m['num_shards']:,}-shard cache ({m['dir']}): built in {m['build_s']:.1f} s, manifest {m['manifest_bytes'] / 1e6:.1f} MB, "
+    lines += ["", f"{m['num_shards']:,}-shard cache ({m['dir']}): built in {m['build_s']:.1f} s, "
+                  f"manifest {m['manifest_bytes'] / 1e6:.1f} MB, "
                   f"open {m['open_s']:.3f} s, open + first sequence {m['open_and_first_read_s']:.3f} s, "
                   f"reader RSS {m['peak_rss_mb']:.0f} MB"]
     lines += ["", "checks: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in report["checks"].items())]

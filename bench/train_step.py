@@ -33,14 +33,14 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from dflash.train.config import FitConfig  # noqa: E402
-from dflash.train.data import eligible_anchors  # noqa: E402
-from dflash.train.fit import fit  # noqa: E402
-from dflash.train.model import DrafterConfig, model_flops_per_token  # noqa: E402
-from dflash.train.synthetic import write_synthetic_training_cache  # noqa: E402
+from dflash.train.config import FitConfig
+from dflash.train.data import eligible_anchors
+from dflash.train.fit import fit
+from dflash.train.model import DrafterConfig, model_flops_per_token
+from dflash.train.synthetic import write_synthetic_training_cache
 
 SHAPES = {
     "cpu": dict(vocab_size=49152, hidden_size=576, num_layers=30, layer_ids=(1, 8, 14, 20, 27),

@@ -169,7 +169,8 @@ def main() -> None:
 
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     initial, final = checkpoints[0], checkpoints[-1]
-    evaluate = [bin_path("dflash-train"), "eval", "--run", str(run_dir), "--cache", str(cache), "--device", "cpu", "--json"]
+    evaluate = [bin_path("dflash-train"), "eval", "--run", str(run_dir), "--cache", str(cache), "--device", "cpu",
+                "--json"]
     before = run(evaluate + ["--checkpoint", str(initial)], capture_json=True)
     after = run(evaluate + ["--checkpoint", str(final)], capture_json=True)
     # Online on the first held-out prompts; this call also reports offline tau on exactly

@@ -11,6 +11,8 @@ path, its FLOP count, memory traffic and bounded workspace in `sparse_kl.py`.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from .reference import (
@@ -25,6 +27,47 @@ from .reference import (
 IMPLS = ("auto", "triton", "torch", "naive")
 TAILS = ("bucket", "renorm")
 REDUCTIONS = ("mean", "sum", "none")
+
+
+# The return type follows return_argmax: the loss alone, or (loss, argmax).
+@overload
+def sparse_kl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    tail: str = "bucket",
+    impl: str = "auto",
+    reduction: str = "mean",
+    ce_targets: torch.Tensor | None = None,
+    ce_weight: float = 0.0,
+    return_argmax: Literal[False] = False,
+    tail_mass: torch.Tensor | None = None,
+    workspace_bytes: int | None = None,
+    triton_config=None,
+) -> torch.Tensor: ...
+
+
+@overload
+def sparse_kl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    tail: str = "bucket",
+    impl: str = "auto",
+    reduction: str = "mean",
+    ce_targets: torch.Tensor | None = None,
+    ce_weight: float = 0.0,
+    return_argmax: Literal[True],
+    tail_mass: torch.Tensor | None = None,
+    workspace_bytes: int | None = None,
+    triton_config=None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def sparse_kl_loss(
@@ -43,7 +86,7 @@ def sparse_kl_loss(
     tail_mass: torch.Tensor | None = None,  # [N] float: teacher tail; None = max(0, 1 - sum q)
     workspace_bytes: int | None = None,
     triton_config=None,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse KL of the student softmax(hidden @ weight.T) to the teacher's top-k (+ tail).
 
     Row loss: tail="bucket" treats the teacher's tail mass as one extra class against the
@@ -149,7 +192,8 @@ def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, 
             "dtype; cast one of them (e.g. hidden.to(weight.dtype))"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.is_floating_point():
-        raise ValueError(f"sparse_kl_loss: topk_ids must be [{n}, k] integer, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+        raise ValueError(f"sparse_kl_loss: topk_ids must be [{n}, k] integer, "
+                         f"got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
         raise ValueError(
             f"sparse_kl_loss: topk_logprobs must be float of topk_ids' shape {tuple(topk_ids.shape)}, "

@@ -261,7 +261,6 @@ class _TritonSparseKL(torch.autograd.Function):
         # hidden [N, H], weight [V, H] (same dtype, contiguous), ids [N, k'] int64, lq [N, k]
         # fp32 floored, q_tail [N] fp32; grad_x / grad_w: whether X / W need a gradient.
         n, h = hidden.shape
-        v = weight.shape[0]
         dev = hidden.device
         ctx.set_materialize_grads(False)
         dense = tail == "bucket" or ce_weight != 0.0

@@ -1,6 +1,9 @@
 """dflash.shards: the on-disk cache contract between stage one and stage two.
 
-Depends on pyarrow and numpy only: no torch, no models. See FORMAT.md.
+Depends on numpy, pyarrow, safetensors (the feature basis file) and click (the `dflash-shards`
+command); transformers (the cache's tokenizer, to show tokens as text) and matplotlib
+(`dflash-shards stats --plot`) are imported only where used, and optional. No torch, no
+models. See FORMAT.md.
 """
 
 from dflash.shards.codecs import topk_codec_kl

@@ -1,11 +1,13 @@
-"""Atomic file writes: the one helper every write site in dflash uses.
+"""Atomic file writes: the one module every write site in dflash goes through.
 
 A file is written under a temporary name in the same folder, flushed and fsynced, renamed
 over its final name, and the folder is fsynced, so a crash at any instant leaves either the
-old file or the new one, never a readable half. A folder of files published together (a
-checkpoint, an export, CACHE/target) is written the same way as a whole by `atomic_dir`.
-Pure Python: the bottom layer, so that precompute and train share it without importing
-each other.
+old file or the new one, never a readable half. `write_atomic` (bytes, text),
+`write_json_atomic`, `write_npz_atomic` (numpy arrays, e.g. a run's anchor index) and
+`atomic_path` (for libraries that take a file name) write one file; a folder of files
+published together (a checkpoint, an export, CACHE/target) is written the same way as a whole
+by `atomic_dir`. Python and numpy only: the bottom layer, so that precompute and train share
+it without importing each other.
 """
 
 from __future__ import annotations
@@ -131,4 +133,16 @@ def write_json_atomic(path: str | Path, obj: Any, *, indent: int | None = 1, sor
     write_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, separators=separators) + "\n")
 
 
-__all__ = ["atomic_dir", "atomic_path", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic"]
+def write_npz_atomic(path: str | Path, **arrays: Any) -> None:
+    """Write `arrays` as an uncompressed .npz (`np.savez`, read back by `np.load`) to `path`
+    atomically. The archive goes through a file object: given a name, `np.savez` would append
+    ".npz" to the temporary one."""
+    import numpy as np
+
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+
+__all__ = ["atomic_dir", "atomic_path", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic",
+           "write_npz_atomic"]

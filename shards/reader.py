@@ -4,8 +4,11 @@ The manifest lists every shard (path, checksum, size, row count) and every seque
 length and source in shard order, so locating sequence i is a binary search over
 cumulative row counts and reading it is one record-batch lookup in a memory-mapped file.
 Opened shards stay mapped in a small LRU. `cache[i]` decodes to float32 and friends;
-`cache.raw(i)` hands out read-only views of the mapped file for the big columns (no
-Arrow allocation, no copy) for training to move to the device and decode there.
+`cache.raw(i)` hands out read-only views of the mapped file for the features (no Arrow
+allocation, no copy), undecoded, and the top-k decoded on the host (the packed codec is
+unpacked here). Training reinterprets bf16 feature bits as bfloat16 without a decode and
+dequantises fp8 codes with their scales to float32 on the host, while it lays out a batch
+(train/data.py); neither decodes on the device.
 """
 
 from __future__ import annotations
@@ -90,10 +93,9 @@ class Cache:
     processes may inherit one; the mappings are read-only.
     """
 
-    def __init__(self, root: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
-        self.root = Path(root)
-        self.path = self.root  # alias: the cache directory
-        manifest_path = self.root / MANIFEST
+    def __init__(self, path: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
+        self.path = Path(path)  # the cache directory, as given (not resolved)
+        manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
             raise ValueError(
                 f"{manifest_path} does not exist: not a dflash cache, or its producer did not "
@@ -127,11 +129,11 @@ class Cache:
                                  f"is damaged: {check.remedy}")
             for key, kind in _SHARD_FIELDS.items():
                 check.field(entry, key, kind, f"shards[{i}].{key}")
-        self.shard_paths = [_inside(self.root, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
-        self.target_dir = _inside(self.root, check.field(manifest, "target_dir", str), "target_dir")
-        self.rejected_path = _inside(self.root, check.field(manifest, "rejected", str), "rejected")
-        _check_resolved(self.root, self.target_dir)
-        _check_resolved(self.root, self.rejected_path)
+        self.shard_paths = [_inside(self.path, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
+        self.target_dir = _inside(self.path, check.field(manifest, "target_dir", str), "target_dir")
+        self.rejected_path = _inside(self.path, check.field(manifest, "rejected", str), "rejected")
+        _check_resolved(self.path, self.target_dir)
+        _check_resolved(self.path, self.rejected_path)
         seqs = check.field(manifest, "sequences", dict)
         self._source_files = check.field(manifest, "source_files", list)
         columns = {key: check.int_list(seqs, key, f"sequences.{key}") for key in _SEQUENCE_FIELDS}
@@ -161,7 +163,7 @@ class Cache:
         if self.spec.is_basis:
             entry = check.field(manifest, "feature_basis", dict)
             check.field(entry, "sha256", str, "feature_basis.sha256")
-            self.feature_basis_path = _inside(self.root, check.field(entry, "path", str, "feature_basis.path"),
+            self.feature_basis_path = _inside(self.path, check.field(entry, "path", str, "feature_basis.path"),
                                               "feature_basis.path")
             self.feature_basis_entry = entry
         self.check_rows = check_rows
@@ -187,8 +189,8 @@ class Cache:
     def load_feature_basis(self) -> FeatureBasis:
         """The cache's basis (P, D), its file checked against the manifest's sha256."""
         if self.feature_basis_entry is None:
-            raise ValueError(f"{self.root} stores raw features ({self.spec.feature_codec}); it has no basis")
-        _check_resolved(self.root, self.feature_basis_path)
+            raise ValueError(f"{self.path} stores raw features ({self.spec.feature_codec}); it has no basis")
+        _check_resolved(self.path, self.feature_basis_path)
         return FeatureBasis.load(self.feature_basis_path, self.feature_basis_entry["sha256"])
 
     def locate(self, i: int) -> tuple[Path, int]:
@@ -299,7 +301,7 @@ class Cache:
         if reader is not None:
             self._open.move_to_end(shard)
             return reader
-        reader = open_shard(self.root, self.shard_paths[shard], self.shards[shard], self.spec)
+        reader = open_shard(self.path, self.shard_paths[shard], self.shards[shard], self.spec)
         self._open[shard] = reader
         if len(self._open) > self._max_open:
             self._open.popitem(last=False)
@@ -417,7 +419,8 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
     for shard, (shard_path, entry) in enumerate(zip(cache.shard_paths, cache.shards)):
         name = entry["path"]
         if not shard_path.exists():
-            problems.append({"shard": name, "problem": f"file is missing (listed in manifest.json shards[{shard}].path)"})
+            problem = f"file is missing (listed in manifest.json shards[{shard}].path)"
+            problems.append({"shard": name, "problem": problem})
             continue
         digest = file_sha256(shard_path)
         if digest != entry["sha256"]:

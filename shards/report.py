@@ -236,7 +236,10 @@ def cache_stats(path: str | Path, *, max_sequences: int = 1000, bins: int = 10) 
         coverage.append(1.0 - tail)
         entropy.append(h)
         top1.append(probs.max(1))
-    concat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0))
+
+    def concat(parts):
+        return np.concatenate(parts) if parts else np.zeros(0)
+
     return {
         "path": str(cache.path),
         "num_sequences": len(cache),

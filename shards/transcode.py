@@ -4,9 +4,10 @@
 (decoded: float32 features, top-k ids, log-probs and tail mass), fits a basis for a basis
 codec the way stage one does (the first records in input order, by (file, index), up to
 `basis_sample_tokens`), and writes the same sequences, sources and loss masks to `dst` with
-the new codec; CACHE/target/ is copied (the source's rejected records are not). The source's features should be lossless (bf16):
-transcoding fp8 or basis features compounds their error. The packed top-k is decoded and
-encoded again, so compare codecs on caches transcoded from one source (bf16 -> bf16 too).
+the new codec; CACHE/target/ is copied (the source's rejected records are not). The source's
+features should be lossless (bf16): transcoding fp8 or basis features compounds their error.
+The packed top-k is decoded and encoded again, so compare codecs on caches transcoded from one
+source (bf16 -> bf16 too).
 """
 
 from __future__ import annotations

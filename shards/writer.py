@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash.shards import codecs, rows
+from dflash.shards import rows
 from dflash.shards.basis import BASIS_FILE, FeatureBasis
 from dflash.shards.files import fsync_dir, write_atomic, write_json_atomic
 from dflash.shards.spec import CacheSpec

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from dflash.shards.records import iter_records, prompt_messages
 from dflash.train.evaluate import (
     block_acceptance,
     evaluate_offline,
@@ -22,8 +23,8 @@ from dflash.train.evaluate import (
     sequence_acceptance,
     target_top1,
 )
-from dflash.shards.records import iter_records, prompt_messages
-from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
+from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
+from tests.builders import drafter_config
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
 
@@ -189,10 +190,9 @@ def test_offline_drafts_equal_the_inference_path(seed, block_size):
     """The packed training forward used offline drafts the same tokens as the inference path
     (context cache of the features before the anchor, then one block)."""
     H, L, T = 16, 2, 23
-    config = DrafterConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=4, vocab_size=V, target_layer_ids=[0, 1],
-                           num_target_layers=3, block_size=block_size, mask_token_id=V - 1,
-                           initializer_range=0.5)
+    config = drafter_config(hidden_size=H, intermediate_size=32, head_dim=4, num_hidden_layers=2, vocab_size=V,
+                            target_layer_ids=[0, 1], num_target_layers=3, block_size=block_size,
+                            mask_token_id=V - 1, initializer_range=0.5)
     drafter = DFlashDrafter(config, attention="dense").eval()
     head = TargetHead(embed_tokens=torch.randn(V, H), lm_head=torch.randn(V, H) * 3)
     input_ids, loss_mask, _, top1 = make_sequence(T, 4, seed=seed)
@@ -252,7 +252,8 @@ class TemplateTokenizer:
 
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         assert not tokenize
-        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
 
     def __call__(self, text, add_special_tokens):
         assert not add_special_tokens

@@ -18,19 +18,18 @@ from safetensors.torch import save_file
 
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.train.cli import main
-from dflash.train.config import FitConfig
 from dflash.train.data import held_out_mask
 from dflash.train.evaluate import evaluate_offline
 from dflash.train.export import load_drafter, load_exported
 from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import char_chat_target, char_tokenizer
+from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config
 
 LAYER_IDS = [1, 3]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 def last_json(output: str) -> dict:
@@ -38,11 +37,8 @@ def last_json(output: str) -> dict:
 
 
 def fit_run(cache: Path, out: Path, **overrides) -> Path:
-    fields = dict(cache=[str(cache)], out=str(out), num_layers=1, block_size=4, anchors_per_seq=8,
-                  epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=3, eval_every=0,
-                  eval_fraction=0.25, wandb=False, log_every=1)
-    fields.update(overrides)
-    fit(FitConfig.from_dict(fields))
+    defaults = dict(anchors_per_seq=8, epochs=1, max_steps=3, checkpoint_every=3, eval_fraction=0.25)
+    fit(tiny_fit_config(cache, out, **(defaults | overrides)))
     return out
 
 

@@ -19,8 +19,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.faults import (bad_input, corruption, disk_full, fit_kill, harness, numeric, precompute_kill, refusals,
-                          untrusted)
+from tests.faults import (
+    bad_input,
+    corruption,
+    disk_full,
+    fit_kill,
+    harness,
+    numeric,
+    precompute_kill,
+    refusals,
+    untrusted,
+)
 from tests.faults.workspace import (
     FinalNameWatcher,
     Outcome,
@@ -37,7 +46,7 @@ def ws(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("faults"), seed=0)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 def rng(*key: int) -> np.random.Generator:

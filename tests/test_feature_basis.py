@@ -18,6 +18,7 @@ from dflash.shards.synthetic import synthetic_row, write_synthetic_cache
 from dflash.train.basis import fold_basis, match_features
 from dflash.train.data import Corpus
 from dflash.train.model import DFlashDrafter, DrafterConfig
+from tests import builders
 
 LENGTHS = [9, 17, 5, 12]
 LAYERS, HIDDEN = [0, 2, 3], 16
@@ -115,15 +116,16 @@ def test_mixing_bases_is_refused(tmp_path):
     assert a.feature_basis_sha256 != b.feature_basis_sha256
     for other in (b, raw):
         with pytest.raises(ValueError, match=rf"{tmp_path / 'a'}.*basis {a.feature_basis_sha256[:12]}.*"
-                                             rf"but {other.root}"):
+                                             rf"but {other.path}"):
             Corpus([a, other])
     Corpus([a, open_cache(tmp_path / "a")])  # the same basis mixes
 
 
 def drafter_config(**extra) -> DrafterConfig:
-    return DrafterConfig(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=8, vocab_size=50, target_layer_ids=LAYERS,
-                         num_target_layers=4, block_size=4, mask_token_id=0, **extra)
+    return builders.drafter_config(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                                   target_layer_ids=LAYERS, num_target_layers=4, block_size=4, mask_token_id=0,
+                                   **extra)
 
 
 @pytest.mark.parametrize("rank", [8, HIDDEN, 2 * HIDDEN])
@@ -161,8 +163,8 @@ def test_match_features_refuses_a_foreign_basis(tmp_path):
         match_features(DFlashDrafter(drafter_config()), a, [])
 
 
+@pytest.mark.e2e  # fit, export and eval
 def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
-    from dflash.train.config import FitConfig
     from dflash.train.evaluate import EvalConfig, run_eval
     from dflash.train.export import export_run, load_exported
     from dflash.train.fit import fit
@@ -173,9 +175,8 @@ def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
                                                  feature_codec="basis-bf16", feature_rank=24)
     write_synthetic_training_cache(tmp_path / "raw", lengths=lengths, seed=1)
     run = tmp_path / "run"
-    fit(FitConfig.from_dict(dict(cache=[str(tmp_path / "basis")], out=str(run), num_layers=1, block_size=4,
-                                 anchors_per_seq=6, epochs=1, tokens_per_step=96, checkpoint_every=100,
-                                 eval_every=0, eval_fraction=0.2, wandb=False, log_every=1)))
+    fit(builders.tiny_fit_config(tmp_path / "basis", run, anchors_per_seq=6, epochs=1, checkpoint_every=100,
+                                 eval_fraction=0.2))
     config = json.loads((run / "drafter_config.json").read_text())
     assert config["feature_width"] == 24 and config["feature_basis_sha256"] == basis_cache.feature_basis_sha256
     offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)

@@ -3,11 +3,13 @@
 import errno
 import json
 import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash.shards import files
-from dflash.shards.files import atomic_dir, atomic_path, write_atomic, write_json_atomic
+from dflash.shards.files import atomic_dir, atomic_path, write_atomic, write_json_atomic, write_npz_atomic
 
 
 def _write_with_atomic_path(path, text):
@@ -170,3 +172,16 @@ def test_what_is_published_follows_the_umask(tmp_path, mask, file_mode, dir_mode
     assert mode(tmp_path / "basis.safetensors") == file_mode
     assert mode(tmp_path / "target" / "head.safetensors") == file_mode
     assert mode(tmp_path / "target") == mode(tmp_path / "target" / "sub") == dir_mode
+
+
+def test_write_npz_atomic_replaces_the_archive_fsynced_and_leaves_no_temporary(tmp_path, monkeypatch):
+    synced = []
+    fsync_file = files.fsync_file
+    monkeypatch.setattr(files, "fsync_file", lambda path: (synced.append(Path(path).name), fsync_file(path)))
+    path = tmp_path / "anchor_index.npz"
+    write_npz_atomic(path, fingerprint=np.array("old"), num_eligible=np.arange(3))
+    write_npz_atomic(path, fingerprint=np.array("new"), num_eligible=np.arange(5, 10, dtype=np.int64))
+    with np.load(path) as archive:
+        assert str(archive["fingerprint"]) == "new" and archive["num_eligible"].tolist() == [5, 6, 7, 8, 9]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchor_index.npz"]
+    assert synced == ["anchor_index.npz.tmp"] * 2

@@ -10,7 +10,7 @@ from dflash.train.config import FitConfig
 from dflash.train.fit import fit
 from tests.builders import fit_cache, tiny_fit_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,10 @@ from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import TritonConfig
 from tests.builders import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
 
-IMPLS = ["naive", "torch", "triton"]
+# The Triton kernel runs in its CPU interpreter here (conftest): seconds per case, so its cases
+# are outside the quick loop (`pytest -m "not e2e"`); `make test` runs them.
+TRITON = pytest.param("triton", marks=pytest.mark.e2e)
+IMPLS = ["naive", "torch", TRITON]
 # Tiles of 128 give V=1031 nine tiles, the last one partial, in each of the row kernel's
 # sweeps; a workspace of 16 rows (fp32 [C, V] for both paths) splits N=37 into three
 # balanced chunks of 13, 13 and 11 rows, and N=64 into four.
@@ -91,7 +94,8 @@ def test_teacher_tail_extremes(impl, tail_level):
     shares = torch.softmax(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), 1)
     logprobs = (shares.double() * (1 - tail_level)).log().float()  # [N, k]: sum q = 1 - tail_level
     ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight)
-    out, dx, _ = loss_and_grads(lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **impl_kwargs(impl, v)), hidden, weight)
+    out, dx, _ = loss_and_grads(lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **impl_kwargs(impl, v)),
+                                hidden, weight)
     # The fp32 log-probs carry ~6e-8 relative error, so the teacher tail is known only to
     # ~k * 6e-8 absolute: the loss is compared with that much slack on top.
     assert abs(out.item() - ref.item()) <= FP32_TOL * abs(ref.item()) + 1e-6
@@ -146,7 +150,8 @@ def test_cross_entropy_term(impl, tail):
     targets = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(6))
     targets[::2] = ids[::2, 0]
     kw = dict(tail=tail, ce_targets=targets, ce_weight=0.3)
-    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, **kw), hidden, weight, grad_weight=True)
+    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, **kw), hidden, weight,
+                                         grad_weight=True)
     out, dx, dw = loss_and_grads(
         lambda x, w: sparse_kl_loss(x, w, ids, logprobs, **kw, **impl_kwargs(impl, v)), hidden, weight, grad_weight=True
     )
@@ -166,7 +171,7 @@ def test_argmax_is_logits_argmax(impl, tail):
     assert loss.item() == pytest.approx(truth(hidden, weight, ids, logprobs, tail=tail).item(), rel=FP32_TOL)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", TRITON])
 @pytest.mark.parametrize("tail", ["bucket", "renorm"])
 def test_bf16_no_worse_than_bf16_reference(impl, tail):
     """The Cut Cross-Entropy criterion: with bf16 inputs, the error against the fp64 truth
@@ -221,6 +226,7 @@ def test_input_errors(change, message):
         sparse_kl_loss(**args)
 
 
+@pytest.mark.e2e  # a subprocess
 def test_imports_and_runs_without_triton():
     """macOS installs have no triton: the package imports, torch works, triton says why not."""
     code = (

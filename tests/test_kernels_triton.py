@@ -34,6 +34,7 @@ def test_runs_interpreted():
         (TritonConfig(block_v=64), 1),  # one row per chunk
     ],
 )
+@pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
 def test_tiles_and_chunks(config, workspace_rows):
     n, h, v, k = SHAPES["odd"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=11)
@@ -52,6 +53,7 @@ def test_tiles_and_chunks(config, workspace_rows):
 # with G scaled by the upstream row gradients.
 @pytest.mark.parametrize("grads", ["x", "w", "xw"])
 @pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("renorm", 0.0), ("renorm", 0.5)])
+@pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
 def test_modes_with_row_gradients(grads, tail, ce_weight):
     """reduction="none" with a partly zero grad_output, row weights and return_argmax (so
     that renorm runs the kernel), against the fp64 truth."""
@@ -81,7 +83,7 @@ def test_modes_with_row_gradients(grads, tail, ce_weight):
         assert torch.equal(dx[::4], torch.zeros_like(dx[::4]))
 
 
-@pytest.mark.parametrize("impl", ["naive", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["naive", "torch", pytest.param("triton", marks=pytest.mark.e2e)])
 def test_argmax_ties_take_the_first_index(impl):
     """Exact ties within a tile and across tiles resolve to the smallest id, as torch.argmax
     does. Small integer inputs make every logit exact in any summation order (so ties are
@@ -125,6 +127,7 @@ def test_config_validation(field, value):
         TritonConfig(**{field: value})
 
 
+@pytest.mark.e2e  # a subprocess
 def test_cpu_tensors_without_interpreter_raise():
     code = (
         "import torch\n"
@@ -179,6 +182,7 @@ print("compiled", len(variants))
 """
 
 
+@pytest.mark.e2e  # a subprocess that compiles the kernel
 def test_compiles_for_hopper():
     ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):

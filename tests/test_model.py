@@ -70,7 +70,7 @@ def test_dense_mask_matches_rule():
     C = layout.num_context
     expected = np.zeros_like(mask)
     block = 0
-    for seg, (length, anchors) in enumerate(SEGMENTS):
+    for seg, (_length, anchors) in enumerate(SEGMENTS):
         for a in anchors:
             for q in range(block * B, (block + 1) * B):
                 c0 = layout.context_offsets[seg]

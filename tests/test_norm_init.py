@@ -63,6 +63,7 @@ def initial_norm(cache_dir: Path, out: Path, **overrides) -> torch.Tensor:
     return load_file(list_checkpoints(out)[0] / "model.safetensors")["norm.weight"]
 
 
+@pytest.mark.e2e  # a fit
 def test_norm_init_target_starts_from_the_targets_norm(cache_dir, tmp_path):
     target_norm = load_file(cache_dir / "target" / "head.safetensors")["norm.weight"]
     assert not torch.allclose(target_norm, torch.ones_like(target_norm))

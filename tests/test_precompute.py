@@ -24,7 +24,7 @@ from dflash.shards import open_cache, verify_cache
 from dflash.shards.codecs import topk_kl
 from tests.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,16 @@ from dflash.precompute.basis import sample_positions
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.basis import BASIS_FILE
-from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config as config, write_jsonl
+from tests.builders import (
+    KILLED_RUN,
+    RECORDS,
+    SUBPROCESS_ENV as ENV,
+    build_target,
+    precompute_config as config,
+    write_jsonl,
+)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 CODEC = dict(feature_codec="basis-fp8", feature_rank=24, basis_sample_tokens=200, shard_max_rows=2)
 
@@ -53,7 +60,7 @@ def test_basis_cache_is_fitted_and_verifies(one_rank):
     assert 200 <= basis.num_tokens < cache.num_tokens  # the sample, not the whole cache
     assert cache.manifest["feature_basis"]["sha256"] == cache.feature_basis_sha256
     assert cache[0].features.shape == (cache.lengths[0], 1, 24)
-    assert verify_cache(cache.root)["ok"]
+    assert verify_cache(cache.path)["ok"]
 
 
 def projector(cache) -> np.ndarray:
@@ -95,7 +102,7 @@ def test_kill_then_resume_reuses_the_basis(target, data, tmp_path, one_rank):
 def test_overwrite_refits_and_a_foreign_basis_is_refused(target, data, tmp_path, one_rank):
     out = tmp_path / "cache"
     run_precompute(config(target, data, out, **CODEC))
-    (out / BASIS_FILE).write_bytes((one_rank.root / BASIS_FILE).read_bytes())  # same basis: fine
+    (out / BASIS_FILE).write_bytes((one_rank.path / BASIS_FILE).read_bytes())  # same basis: fine
     other = config(target, data, out, **{**CODEC, "basis_sample_tokens": 50})
     run_precompute(dataclasses.replace(other, overwrite=True))
     assert open_cache(out).load_feature_basis().num_tokens < one_rank.load_feature_basis().num_tokens

@@ -21,9 +21,7 @@ from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
 from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config, write_jsonl
 
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +58,7 @@ def assert_same_values(cache, reference) -> None:
         np.testing.assert_allclose(seq.features, ref.features, rtol=2**-7, atol=1e-5)
         np.testing.assert_array_equal(seq.topk_ids, ref.topk_ids)
         np.testing.assert_allclose(seq.topk_logprobs, ref.topk_logprobs, atol=1e-5)
-    assert (cache.root / "rejected.jsonl").read_text() == (reference.root / "rejected.jsonl").read_text()
+    assert (cache.path / "rejected.jsonl").read_text() == (reference.path / "rejected.jsonl").read_text()
 
 
 def test_two_spawned_ranks_equal_one_rank(target, data, tmp_path, one_rank):

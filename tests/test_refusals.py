@@ -1,6 +1,7 @@
-"""What the tools refuse (issue 16): a target that is not a causal LM, caches and targets of
-another target, empty results, flags without effect, two writers on a run, an --out that is
-not a run, relative paths; and that every user error is one `Error:` line."""
+"""What fit, eval and export refuse, each with an error that says what to do: a target that
+is not a causal LM, caches and targets of another target, empty results, flags without effect,
+two writers on a run, an --out that is not a run, relative paths; and that every user error is
+one `Error:` line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dflash.train.cli import main as train_main
 from dflash.train.config import FitConfig, load_toml, resolve
 from dflash.train.identity import caches_fingerprint, check_same_target
 from dflash.train.runlock import RunLock, check_out_folder
-from tests.builders import tiny_causal_lm
+from tests.builders import tiny_causal_lm, tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,7 +175,8 @@ def test_out_must_be_empty_absent_or_a_run(synthetic_training_cache, tmp_path):
     runner = CliRunner()
     cache_copy = shutil.copytree(synthetic_training_cache, tmp_path / "cache")
     before = sorted(p.name for p in cache_copy.iterdir())
-    result = runner.invoke(train_main, ["fit", "--cache", str(synthetic_training_cache), "--out", str(cache_copy), *FIT])
+    result = runner.invoke(train_main, ["fit", "--cache", str(synthetic_training_cache), "--out", str(cache_copy),
+                                        *FIT])
     assert_one_line_error(result, "not a dflash run folder", "a dflash cache")
     assert sorted(p.name for p in cache_copy.iterdir()) == before
     model = tmp_path / "model"
@@ -217,7 +219,8 @@ def test_paths_are_stored_resolved_and_toml_paths_are_relative_to_the_file(tmp_p
 def test_fit_user_errors_are_one_line(synthetic_training_cache, tmp_path):
     runner = CliRunner()
     cache = str(synthetic_training_cache)
-    result = runner.invoke(train_main, ["fit", "--cache", str(tmp_path / "missing"), "--out", str(tmp_path / "r1"), *FIT])
+    result = runner.invoke(train_main, ["fit", "--cache", str(tmp_path / "missing"), "--out", str(tmp_path / "r1"),
+                                        *FIT])
     assert_one_line_error(result, "missing")
     toml = tmp_path / "bad.toml"
     toml.write_text('num_layers = "one"\n')
@@ -281,10 +284,8 @@ def test_ctrl_c_says_where_to_resume(synthetic_training_cache, tmp_path, monkeyp
             raise KeyboardInterrupt
 
     monkeypatch.setattr(fit_module, "_log_step", interrupt_at_step_2)
-    config = FitConfig.from_dict({"cache": [str(synthetic_training_cache)], "out": str(tmp_path / "run"),
-                                  "num_layers": 1, "block_size": 4, "anchors_per_seq": 6, "epochs": 1,
-                                  "max_steps": 3, "tokens_per_step": 96, "eval_every": 0, "wandb": False,
-                                  "checkpoint_every": 1})
+    config = tiny_fit_config(synthetic_training_cache, tmp_path / "run", anchors_per_seq=6, epochs=1,
+                             max_steps=3, checkpoint_every=1)
     with pytest.raises(KeyboardInterrupt):
         fit_module.fit(config)
     err = capsys.readouterr().err

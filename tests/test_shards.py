@@ -17,11 +17,11 @@ from dflash.shards import (
     FORMAT_VERSION,
     CacheSpec,
     CacheWriter,
+    codecs,
     finalize_cache,
     open_cache,
     verify_cache,
 )
-from dflash.shards import codecs
 from dflash.shards.rows import encode_row
 from dflash.shards.spec import READ_VERSIONS
 from dflash.shards.synthetic import synthetic_row, write_synthetic_cache
@@ -254,7 +254,8 @@ def _corrupt(name, value):
         (_corrupt("input_ids", lambda r: np.zeros(33, np.int64)), "exceed max_length 32"),
         (_corrupt("loss_mask", lambda r: np.full(len(r["input_ids"]), 2)), "loss_mask must be bool"),
         (_corrupt("input_ids", lambda r: r["input_ids"].astype(np.float32)), "must hold integers"),
-        (_corrupt("tail_mass", lambda r: np.full(len(r["input_ids"]), 1.5)), r"tail_mass must be finite and in \[0, 1\]"),
+        (_corrupt("tail_mass", lambda r: np.full(len(r["input_ids"]), 1.5)),
+         r"tail_mass must be finite and in \[0, 1\]"),
     ],
 )
 def test_bad_rows_are_refused_naming_the_source(tmp_path, change, message):
@@ -371,6 +372,7 @@ def _write_then_get_killed(cache_dir, spec, start, stop):
         proc.wait()
 
 
+@pytest.mark.e2e  # SIGKILLed writer subprocesses
 def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
     spec = make_spec(shard_max_rows=2)
     # A finalized cache of records 0-3 (two shards), then a later run adds 4-8 and is killed
@@ -404,6 +406,7 @@ def test_killed_writer_leaves_no_readable_partial_shard(tmp_path):
     assert verify_cache(tmp_path)["ok"]
 
 
+@pytest.mark.e2e  # a SIGKILLed writer subprocess
 def test_killed_first_writer_leaves_no_cache(tmp_path):
     spec = make_spec(shard_max_rows=2)
     _write_then_get_killed(tmp_path, spec, 0, 3)
@@ -456,7 +459,8 @@ def test_unknown_format_version_is_refused(tmp_path):
     write(tmp_path, spec, make_rows(spec, lengths=[3]))
     _edit_manifest(tmp_path, lambda m: m.update(format_version=FORMAT_VERSION + 98))
     with pytest.raises(ValueError, match=rf"version {FORMAT_VERSION + 98}; this dflash reads version\(s\) "
-                                         rf"{', '.join(map(str, READ_VERSIONS))}\. Upgrade dflash .* re-run dflash-precompute"):
+                                         rf"{', '.join(map(str, READ_VERSIONS))}\. "
+                                         r"Upgrade dflash .* re-run dflash-precompute"):
         open_cache(tmp_path)
 
 
@@ -595,6 +599,7 @@ def test_verify_passes_on_a_good_cache(tmp_path):
     assert report == {"ok": True, "problems": [], "num_shards": 4, "num_sequences": len(LENGTHS)}
 
 
+@pytest.mark.e2e  # a fresh interpreter
 def test_shards_imports_no_torch_or_models(tmp_path):
     spec = make_spec()
     write(tmp_path, spec, make_rows(spec, lengths=[3]))

@@ -30,6 +30,7 @@ MISSING = [(package, install) for package, install in [
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.e2e,
     pytest.mark.skipif(bool(MISSING), reason="not installed: " + "; ".join(f"{p} ({i})" for p, i in MISSING)
                        + " -- `make demo` installs them"),
 ]

@@ -38,7 +38,8 @@ def test_round_trip(tmp_path, fields):
     assert path == tmp_path / "target.json"
     assert TargetInfo.load(tmp_path) == info
     # The keys stage one always wrote, plus version; the values as given (10000 stays an int).
-    assert json.loads(path.read_text()) == {"version": TARGET_INFO_VERSION, "dtype": None, "fingerprint": None, **V1_FILE, **fields}
+    assert json.loads(path.read_text()) == {"version": TARGET_INFO_VERSION, "dtype": None, "fingerprint": None,
+                                            **V1_FILE, **fields}
     assert [p.name for p in tmp_path.iterdir()] == ["target.json"]
 
 

@@ -29,7 +29,7 @@ class HandCache:
     """Rows whose cached top-1 at position t is token 50+t (so a label names its position)."""
 
     def __init__(self, loss_masks: list[np.ndarray]):
-        self.root = "hand"
+        self.path = "hand"
         self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", vocab_size=V,
                                     layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
                                     identity=lambda: {"hand": True})

@@ -26,6 +26,8 @@ from dflash.train.fit import SpikeStop, fit
 from dflash.train.logging import STEP_KEYS
 from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:

@@ -8,24 +8,21 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.train.checkpoint import list_checkpoints
-from dflash.train.config import FitConfig
 from dflash.train.fit import fit
 from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.synthetic import write_synthetic_training_cache
+from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("cache") / "cache"
-    write_synthetic_training_cache(path, lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
-    return path
+    return fit_cache(tmp_path_factory, FIT_LENGTHS[:8])
 
 
 def test_save_initial_keeps_the_untrained_weights(cache_dir, tmp_path):
-    config = FitConfig.from_dict(dict(
-        cache=[str(cache_dir)], out=str(tmp_path / "run"), num_layers=1, block_size=4, anchors_per_seq=6,
-        epochs=1, max_steps=3, tokens_per_step=96, checkpoint_every=100, eval_every=0, eval_fraction=0.1,
-        wandb=False, save_initial=True, seed=3))
+    config = tiny_fit_config(cache_dir, tmp_path / "run", anchors_per_seq=6, epochs=1, max_steps=3,
+                             checkpoint_every=100, save_initial=True, seed=3)
     fit(config)
     checkpoints = list_checkpoints(Path(config.out))
     assert len(checkpoints) == 2 and checkpoints[0].name == "step-00000000"

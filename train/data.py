@@ -252,7 +252,7 @@ class Corpus:
 
     def source(self, sequence: int) -> dict:
         cache, index = self.locate(sequence)
-        return {"cache": str(cache.root), "sequence": index, **cache.source(index)}
+        return {"cache": str(cache.path), "sequence": index, **cache.source(index)}
 
     def fingerprint(self) -> str:
         """sha256 over the caches' spec identities and sizes (what num_eligible depends on)."""
@@ -297,8 +297,8 @@ def check_same_basis(first, cache) -> None:
             != (theirs.feature_codec, theirs.feature_rank, cache.feature_basis_sha256)):
         def describe(c) -> str:
             if not c.spec.is_basis:
-                return f"{c.root} stores raw {c.spec.feature_codec} features"
-            return (f"{c.root} stores {c.spec.feature_codec} coefficients of rank {c.spec.feature_rank} in "
+                return f"{c.path} stores raw {c.spec.feature_codec} features"
+            return (f"{c.path} stores {c.spec.feature_codec} coefficients of rank {c.spec.feature_rank} in "
                     f"basis {c.feature_basis_sha256[:12]}")
         raise ValueError(f"cannot train on these caches together: {describe(first)}, but {describe(cache)}; "
                          "a drafter's fc reads one feature space: rebuild them with one basis (or use one cache)")
@@ -309,12 +309,12 @@ def check_compatible(spec, other, cache) -> None:
     for name in ("vocab_size", "hidden_size", "layer_ids", "top_k", "tokenizer_sha256"):
         if getattr(spec, name) != getattr(other, name):
             raise ValueError(
-                f"cache {cache.root} differs from the first cache in {name} "
+                f"cache {cache.path} differs from the first cache in {name} "
                 f"({getattr(other, name)!r} vs {getattr(spec, name)!r}): caches trained together "
                 "must come from the same target, layers, tokenizer and top-k"
             )
     if spec.target.get("config_sha256") != other.target.get("config_sha256"):
-        raise ValueError(f"cache {cache.root} was built from a different target (config_sha256 differs)")
+        raise ValueError(f"cache {cache.path} was built from a different target (config_sha256 differs)")
 
 
 # ---------------------------------------------------------------------------------------

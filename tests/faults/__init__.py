@@ -1,7 +1,8 @@
 """Fault-tolerance trials: kill, starve, corrupt and poison dflash, and count what survives.
 
-Ten fault classes, one module each, each run as N randomised trials (`--trials`, seeded
-by `--seed`); each module's docstring says what its trials check:
+Ten fault classes in eight modules (refusals.py holds the last three), each class run as N
+randomised trials (`--trials`, seeded by `--seed`); each module's docstring says what its
+trials check:
 
 1. `precompute-kill` (precompute_kill.py)  SIGKILL of `dflash-precompute`, then a rerun.
 2. `fit-kill` (fit_kill.py)  SIGKILL of `dflash-train fit` at a random instant or inside a

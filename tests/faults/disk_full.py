@@ -30,6 +30,7 @@ from tests.faults.workspace import (
     same_final_run,
 )
 
+
 def trial_disk_full(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
     """Stage one under a file-size limit from the start, stage one whose limit drops to a few
     KiB at a random instant (any write may be the one that fails: a shard, a record, the

@@ -19,6 +19,7 @@ from tests.faults.workspace import (
     random_instant,
 )
 
+
 def trial_precompute_kill(ws: Workspace, rng: np.random.Generator, trial: int) -> list[Outcome]:
     """SIGKILL dflash-precompute at a random instant of its writing, rerun, compare."""
     reference = ws.precompute_reference

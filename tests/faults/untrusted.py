@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from tests.faults.workspace import Outcome, Workspace, describe, fit_in_process, quiet, sha256_file
+
 
 class Payload:
     """Pickles as a call of `function(*args)`: unpickling it runs the call."""

@@ -22,12 +22,15 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+
+from tests.builders import FIT_LENGTHS, TINY_FIT, tiny_fit_config
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
              "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -41,10 +44,8 @@ NUM_CHAT_RECORDS = 120
 PRECOMPUTE_OPTIONS = ["--top-k", "4", "--num-feature-layers", "3", "--batch-tokens", "512",
                       "--shard-max-rows", "4", "--max-length", "256", "--device", "cpu", "--no-progress"]
 # Stage two: 16 synthetic sequences in 4-row shards, a 1-layer drafter, 24 steps of 96 tokens.
-TRAIN_LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
-FIT_OPTIONS = dict(num_layers=1, block_size=4, anchors_per_seq=6, epochs=6, tokens_per_step=96,
-                   checkpoint_every=2, keep_checkpoints=2, eval_every=0, eval_fraction=0.1,
-                   spike_warmup_steps=2, device="cpu", wandb=False)
+TRAIN_LENGTHS = FIT_LENGTHS
+FIT_OPTIONS = TINY_FIT | dict(anchors_per_seq=6, epochs=6, checkpoint_every=2, keep_checkpoints=2, device="cpu")
 
 FILE_TOO_LARGE = os.strerror(27)  # "File too large": write() past RLIMIT_FSIZE fails with EFBIG
 
@@ -173,7 +174,8 @@ def wait_for(condition: Callable[[], bool], child: Child, timeout_s: float = 300
 
 
 def is_temporary(rel: Path) -> bool:
-    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/` (shards.files.atomic_dir)."""
+    """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/`
+    (shards.files.atomic_dir)."""
     return any(".tmp" in part or part.endswith((".partial", ".stale")) for part in rel.parts)
 
 
@@ -475,9 +477,7 @@ class Workspace:
         return FitReference(run=out, train_s=time.monotonic() - started, total_steps=steps[-1])
 
     def fit_config(self, cache: Path, out: Path, **overrides):
-        from dflash.train.config import FitConfig
-
-        return FitConfig.from_dict({"cache": [str(cache)], "out": str(out), **FIT_OPTIONS, **overrides})
+        return tiny_fit_config(cache, out, **(FIT_OPTIONS | overrides))
 
     @cached_property
     def clean_fit_weights(self) -> dict:

@@ -1,6 +1,6 @@
-"""Issue 16 for `dflash-precompute` and `dflash-shards`: the fingerprint stage one records,
-empty results, flags without effect, one-line errors, `-h`/`--version`, and the small ones
-(info's size, the histogram's last bin, stats' arguments, verify's advice, the model card)."""
+"""What `dflash-precompute` and `dflash-shards` refuse or report: the fingerprint stage one
+records, empty results, flags without effect, one-line errors, `-h`/`--version`, and the small
+ones (info's size, the histogram's last bin, stats' arguments, verify's advice, the model card)."""
 
 from __future__ import annotations
 
