@@ -39,6 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.shards.files import atomic_path
+from dflash.train.run_folder import ANCHOR_INDEX_FILE
+
 # Stream key for held-out evaluation anchors; training epochs use their own index.
 EVAL_STREAM = 2**31 - 1
 
@@ -263,7 +266,7 @@ class Corpus:
 
     def _eligible_counts(self, index_dir: Path | None, rank: int, world_size: int,
                          combine: Callable[[np.ndarray], np.ndarray] | None, progress: bool) -> np.ndarray:
-        path = None if index_dir is None else Path(index_dir) / "anchor_index.npz"
+        path = None if index_dir is None else Path(index_dir) / ANCHOR_INDEX_FILE
         fingerprint = self.fingerprint()
         if path is not None and path.exists():  # every rank sees the same file: no rank writes yet
             stored = np.load(path)
@@ -283,9 +286,9 @@ class Corpus:
         if world_size > 1:
             counts = np.asarray(combine(counts), dtype=np.int64)
         if path is not None and rank == 0:
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, fingerprint=np.array(fingerprint), num_eligible=counts)
-            tmp.replace(path)
+            # Through a file object: given a name without .npz, np.savez would append one.
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, fingerprint=np.array(fingerprint), num_eligible=counts)
         return counts
 
 

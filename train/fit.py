@@ -53,6 +53,7 @@ from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
+from dflash.train.run_folder import DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, SPIKES_FILE
 from dflash.train.runlock import RunLock, check_out_folder
 
 
@@ -279,7 +280,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     total_steps = config.data.max_steps or config.data.epochs * plan.steps_per_epoch
     eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval.eval_every else None
 
-    saved_config = run_dir / "config.json"
+    saved_config = run_dir / RUN_CONFIG_FILE
     if saved_config.exists():
         check_resume(saved_config, config)
     if is_main:
@@ -292,7 +293,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
             print(f"warning: --eval-every {config.eval.eval_every} has no effect: {why}, so there is no "
                   "held-out evaluation", file=sys.stderr, flush=True)
         write_json_atomic(saved_config, config.to_dict())
-        write_json_atomic(run_dir / "drafter_config.json", drafter_config.to_dict())
+        write_json_atomic(run_dir / DRAFTER_CONFIG_FILE, drafter_config.to_dict())
 
     compute_dtype = _compute_dtype(config.runtime.dtype, device)
     torch.manual_seed(config.data.seed)
@@ -502,7 +503,7 @@ def _log_spike(run_dir: Path, corpus: Corpus, plan: DataPlan, epoch: int, step_i
             "loss": _json_float(loss), "grad_norm": _json_float(grad_norm),
             "loss_mean": gate.loss_mean, "grad_norm_mean": gate.grad_norm_mean, "reason": reason,
             "consecutive_skips": gate.consecutive_skips, "sources": sources}
-    with open(run_dir / "spikes.jsonl", "a") as f:
+    with open(run_dir / SPIKES_FILE, "a") as f:
         f.write(json.dumps(line) + "\n")
 
 
