@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.train.evaluate import (
+from dflash.train.acceptance import (
     block_acceptance,
     evaluate_offline,
-    load_prompts,
     replay_last_reply,
     sequence_acceptance,
     target_top1,
 )
+from dflash.train.online import load_prompts
 from dflash.shards.records import iter_records, prompt_messages
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
 
