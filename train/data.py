@@ -223,8 +223,9 @@ class Corpus:
     """One or more caches seen as one list of sequences (global index = concatenation order).
 
     `num_eligible` [N] counts each sequence's eligible anchors. It needs every loss mask
-    once; it is computed at the first start and stored in `index_dir` (the run folder),
-    keyed by the caches' identities, so a resume reads no row before its first step.
+    once; it is computed at the first start and stored in `index_dir` (the run folder:
+    RUN/anchor_index.npz, written atomically), keyed by the caches' identities, so a resume
+    reads no row before its first step.
 
     Under several ranks the first count is split: rank r reads the masks of sequences
     r, r + world_size, ..., `combine` sums the per-rank arrays (an all-reduce) and rank 0

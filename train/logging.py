@@ -4,7 +4,7 @@ Only rank 0 logs. `RUN/metrics.jsonl` gets one line per step with exactly `STEP_
 `RUN/events.jsonl` gets the run's milestones: start (or resume), each checkpoint with its
 durations, each held-out evaluation, and done. A skipped update is not an event: it is the
 step line's `skipped` and a line of RUN/spikes.jsonl (written by fit); a stop on persistent
-spikes is the error fit raises. W&B gets the same step keys (per-position
+spikes is the error fit raises (SpikeStop). W&B gets the same step keys (per-position
 accuracies as `accuracy/k`) and the events' numbers; it runs offline unless `WANDB_MODE`
 says otherwise. Files are appended and flushed per line, so a crash loses at most the line
 being written; at every start, step lines past the step the run starts from are dropped
