@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from dflash.shards.files import write_atomic
-from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE
+from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, WANDB_ID_FILE
 
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",
              "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "step_time_s")
@@ -155,7 +155,7 @@ def _truncate_after(path: Path, step: int) -> None:
 
 def _wandb_id(run_dir: Path) -> str:
     """A stable W&B run id per run folder, so a resume continues the same W&B run."""
-    path = run_dir / "wandb_id.txt"
+    path = run_dir / WANDB_ID_FILE
     if not path.exists():
         import secrets
 

@@ -5,8 +5,9 @@ the constant, so this docstring is the one description of the layout:
 
 ```
 RUN/
-  .lock                 LOCK_FILE: fit's OS lock (fcntl.flock) while it runs; the file stays
-                        and marks the folder as a run (train/runlock.py)
+  .lock                 LOCK_FILE: fit's OS lock (fcntl.flock) while it runs, holding the
+                        holder's pid, host and start time as JSON; the file stays and marks
+                        the folder as a run (train/runlock.py)
   config.json           RUN_CONFIG_FILE: the resolved FitConfig, flat keys (FitConfig.to_dict);
                         a resume refuses a config that differs in a field that changes numbers
   drafter_config.json   DRAFTER_CONFIG_FILE: the DrafterConfig (sizes, layer ids, mask token)
@@ -22,11 +23,14 @@ RUN/
                           STATE_FILE state.json; written as .step-XXXXXXXX.tmp/ and renamed
   eval/                 EVAL_DIR: <checkpoint name>.json, the figures of `dflash-train eval`
                         (read by `dflash-train export` for the model card)
+  wandb_id.txt          WANDB_ID_FILE: the W&B run id, so a resume continues the same W&B run
   wandb/                Weights & Biases' own folder (offline runs), when enabled
 ```
 
-Every JSON file and checkpoint is written atomically (dflash.shards.files); the .jsonl logs
-are appended and flushed per line, so a crash loses at most the line being written.
+The .json and .npz files and each checkpoint folder are written atomically (temporary name,
+fsync, rename: dflash.shards.files); the .jsonl logs are appended and flushed per line, so a
+crash loses at most the line being written (metrics.jsonl is rewritten atomically at a start,
+without the step lines past the step the run starts from).
 
 `load_drafter` reads a drafter back from a run's checkpoint (or from an exported folder, with
 the run's config beside it): the one reader `eval` and `export` share. What this file trades
@@ -54,6 +58,7 @@ ANCHOR_INDEX_FILE = "anchor_index.npz"
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 SPIKES_FILE = "spikes.jsonl"
+WANDB_ID_FILE = "wandb_id.txt"
 CHECKPOINTS_DIR = "checkpoints"
 EVAL_DIR = "eval"
 # The files of one checkpoint folder, RUN/checkpoints/step-XXXXXXXX/.
@@ -143,5 +148,5 @@ def held_out_eval(run: Path, step: int | None) -> dict[str, Any] | None:
 __all__ = [
     "ANCHOR_INDEX_FILE", "CHECKPOINTS_DIR", "DRAFTER_CONFIG_FILE", "EVAL_DIR", "EVENTS_FILE", "LOCK_FILE",
     "LoadedDrafter", "METRICS_FILE", "OPTIMIZER_FILE", "RUN_CONFIG_FILE", "RUN_INFO_FILE", "SPIKES_FILE",
-    "STATE_FILE", "WEIGHTS_FILE", "eval_results_path", "held_out_eval", "load_drafter",
+    "STATE_FILE", "WANDB_ID_FILE", "WEIGHTS_FILE", "eval_results_path", "held_out_eval", "load_drafter",
 ]
