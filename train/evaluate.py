@@ -68,7 +68,8 @@ class EvalConfig:
     target: str | None = None
     """Online: the target's Hugging Face folder."""
     prompts: str | None = None
-    """Online: JSONL records; each one's conversation up to its last user turn is a prompt.
+    """Online: a records file as stage one reads it (JSONL, .jsonl.zst, JSON, Parquet); each
+    record's conversation up to its last user turn is a prompt.
     With --cache, only the records behind that cache's evaluated sequences are used, and the
     offline figures are computed on exactly those sequences (side by side)."""
     max_new_tokens: int = 256
