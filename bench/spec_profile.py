@@ -83,8 +83,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from dflash.train.data import held_out_mask
-    from dflash.train.evaluate import load_prompts, load_target
-    from dflash.train.export import load_drafter
+    from dflash.train.evaluate import load_target
+    from dflash.train.online import load_prompts
+    from dflash.train.run_folder import load_drafter
     from dflash.train.model import TargetHead
     from dflash.train.speculative import DrafterProposer, greedy_generate, speculative_generate
 

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from dflash.shards.records import iter_records, prompt_messages
-from dflash.train.evaluate import (
+from dflash.train.acceptance import (
     block_acceptance,
     evaluate_offline,
-    load_prompts,
     replay_last_reply,
     sequence_acceptance,
     target_top1,
 )
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
+from dflash.train.online import load_prompts
 from tests.builders import drafter_config
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity

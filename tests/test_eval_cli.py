@@ -17,12 +17,13 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
+from dflash.train.acceptance import evaluate_offline
 from dflash.train.cli import main
 from dflash.train.data import held_out_mask
-from dflash.train.evaluate import evaluate_offline
-from dflash.train.export import load_drafter, load_exported
+from dflash.train.export import load_exported
 from dflash.train.fit import fit
 from dflash.train.model import TargetHead
+from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
 from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config
 
@@ -110,7 +111,7 @@ def test_eval_errors_are_one_line(tmp_path):
 
 def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, max_new_tokens: int) -> None:
     """A cache of the target's greedy replies to every record's prompt (as stage one's --regenerate)."""
-    from dflash.train.evaluate import load_prompts
+    from dflash.train.online import load_prompts
     from dflash.train.speculative import greedy_generate, target_features
 
     V, H = target.config.vocab_size, target.config.hidden_size

@@ -9,7 +9,7 @@ cannot flip an argmax.
 import pytest
 import torch
 
-from dflash.train.evaluate import Prompt, evaluate_online
+from dflash.train.online import Prompt, evaluate_online
 from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.speculative import (
     DrafterProposer,
@@ -177,17 +177,17 @@ def test_evaluate_online_reports_lossless_and_speed(target):
 
 def test_evaluate_online_reports_a_mismatch(target, monkeypatch):
     """If the speculative path diverged, `lossless` is false and the mismatch is located."""
-    import dflash.train.evaluate as evaluate
+    import dflash.train.online as online
 
     prompts = [Prompt(source={"file": "p.jsonl", "index": 7}, token_ids=prompt_ids(5, seed=20))]
-    real = evaluate.speculative_generate
+    real = online.speculative_generate
 
     def diverging(*args, **kwargs):
         out = real(*args, **kwargs)
         out.tokens[3] = (out.tokens[3] + 1) % V
         return out
 
-    monkeypatch.setattr(evaluate, "speculative_generate", diverging)
+    monkeypatch.setattr(online, "speculative_generate", diverging)
     result = evaluate_online(target, untrained_proposer(target, 4), prompts, max_new_tokens=10,
                              block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
     assert result["lossless"] is False

@@ -14,11 +14,11 @@ from dflash.train.export import (
     drafter_config_from_hf,
     export_run,
     hf_config,
-    load_drafter,
     load_exported,
     write_export,
 )
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache
+from dflash.train.run_folder import load_drafter
 from tests.builders import drafter_config
 
 H, V, LAYERS = 32, 50, 3  # H: the hidden size of tests.builders.drafter_config

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dflash.shards import TargetInfo
-from dflash.train.model import DrafterConfig, choose_mask_token_id
+from dflash.train.mask_token import choose_mask_token_id
+from dflash.train.model import DrafterConfig
 from dflash.train.synthetic import write_synthetic_target
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

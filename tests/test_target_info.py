@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dflash.shards import TARGET_INFO_VERSION, TargetInfo
-from dflash.train.model import DrafterConfig, choose_mask_token_id
+from dflash.train.mask_token import choose_mask_token_id
+from dflash.train.model import DrafterConfig
 from dflash.train.synthetic import write_synthetic_target
 
 # What stage one wrote before target.json had a version (and before it had dtype).

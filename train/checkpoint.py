@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from dflash.shards.files import atomic_dir, fsync_file
+from dflash.train.run_folder import CHECKPOINTS_DIR, OPTIMIZER_FILE, STATE_FILE, WEIGHTS_FILE
 
-# The per-file fsync, by a name of this module: bench/faults.py replaces it to kill a write
-# between two files.
+# The per-file fsync, by a name of this module: the fault harness (`python -m tests.faults`,
+# tests/faults/fit_kill.py) replaces it to kill a write between two files.
 _fsync_file = fsync_file
 
 CHECKPOINT_VERSION = 1
@@ -58,7 +59,7 @@ class CheckpointWriter:
     def __init__(self, run_dir: Path, keep: int):
         if keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self._thread: threading.Thread | None = None
@@ -141,9 +142,9 @@ class CheckpointWriter:
             from safetensors.torch import save_file
 
             writes = {
-                "model.safetensors": lambda path: save_file(model_host, str(path)),
-                "optimizer.pt": lambda path: _torch_save(optimizer_host, path),
-                "state.json": lambda path: path.write_text(json.dumps(payload, indent=1, sort_keys=True)),
+                WEIGHTS_FILE: lambda path: save_file(model_host, str(path)),
+                OPTIMIZER_FILE: lambda path: _torch_save(optimizer_host, path),
+                STATE_FILE: lambda path: path.write_text(json.dumps(payload, indent=1, sort_keys=True)),
             }
             size = 0
             # A rerun that reached the same step again replaces that checkpoint.
@@ -209,7 +210,7 @@ def _os_error_of(error: BaseException) -> OSError | None:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temporary folders are never listed)."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
@@ -226,14 +227,14 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> tuple[dic
     from safetensors.torch import load_file
 
     path = Path(path)
-    state = _read_part(path / "state.json", "state", lambda f: json.loads(f.read_text()))
+    state = _read_part(path / STATE_FILE, "state", lambda f: json.loads(f.read_text()))
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(
-            f"{path}/state.json has checkpoint version {state.get('version')!r}; this dflash "
+            f"{path / STATE_FILE} has checkpoint version {state.get('version')!r}; this dflash "
             f"reads version {CHECKPOINT_VERSION}: resume with the dflash that wrote it"
         )
-    model = _read_part(path / "model.safetensors", "weights", lambda f: load_file(str(f), device=str(device)))
-    optimizer = _read_part(path / "optimizer.pt", "optimizer state",
+    model = _read_part(path / WEIGHTS_FILE, "weights", lambda f: load_file(str(f), device=str(device)))
+    optimizer = _read_part(path / OPTIMIZER_FILE, "optimizer state",
                            lambda f: torch.load(f, map_location=device, weights_only=True))
     return model, optimizer, state
 

@@ -2,17 +2,17 @@
 their code (train/evaluate.py, train/export.py) and added to the group at the end of this file.
 
 Commands stay thin: build the config, call one plain function (which tests call directly).
-`fit`'s options are generated from FitConfig's fields (train/config.py) by
-dflash.shards.options: one flag per field, its help the field's docstring and default.
+`fit`'s options are generated from FitConfig's fields (train/config.py), `eval`'s from its
+EvalConfig (train/evaluate.py), by dflash.shards.options: one flag per field, its help the
+field's docstring and default; only the flags given override the config file or defaults.
 """
 
 from __future__ import annotations
 
-
 import click
 
 from dflash.shards.commands import DflashGroup, version_option
-from dflash.shards.options import option
+from dflash.shards.options import given, option
 from dflash.train.config import describe_fields, resolve
 
 # Fields that name folders: click checks that they are not files.
@@ -46,11 +46,9 @@ def fit(config_file, **options) -> None:
     """Train the drafter from one or more caches (resumes when RUN holds a checkpoint)."""
     from dflash.train.fit import SpikeStop, fit as run_fit
 
-    options = {name: list(value) or None if isinstance(value, tuple) else value
-               for name, value in options.items()}
     # ValueError (config, inputs, a busy run folder) and OSError (a full disk, a file-size
     # limit) are one-line errors (DflashGroup); so is a stop on persistent spikes.
-    config = resolve(config_file, options)
+    config = resolve(config_file, given(options))
     try:
         result = run_fit(config)
     except SpikeStop as error:

@@ -52,8 +52,9 @@ class ModelConfig:
     pad or bos token)."""
     norm_init: Literal["ones", "target"] = "ones"
     """The final norm's initial weight: ones, or target (the target's final norm, which the
-    drafter's output shares the target's LM head with; needs a cache whose target/ folder holds
-    it, as stage one writes since format 2)."""
+    drafter's output shares the target's LM head with; needs `norm.weight` in the cache's
+    target/head.safetensors, which stage one writes for every codec when the target's final
+    norm is an RMSNorm)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_layers")
@@ -132,7 +133,10 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class HeldOutConfig:
+    """Held-out evaluation during fit (TOML section `[eval]`); not the `dflash-train eval`
+    command's config, which is train/evaluate.py's EvalConfig."""
+
     eval_every: int = 1000
     """Steps between held-out evaluations (0: never)."""
     eval_fraction: float = 0.01
@@ -194,7 +198,7 @@ class FitConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     gating: GatingConfig = field(default_factory=GatingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -406,7 +410,8 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
             )
 
 
-__all__ = ["COMPONENTS", "CheckpointConfig", "DataConfig", "EvalConfig", "FieldInfo", "FitConfig",
+__all__ = ["COMPONENTS", "CheckpointConfig", "DataConfig", "FieldInfo", "FitConfig",
+           "HeldOutConfig",
            "GatingConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
            "RESUMABLE_CHANGES", "RuntimeConfig", "check_resume", "describe_fields", "field_docs",
            "load_toml", "resolve"]

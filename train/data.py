@@ -39,6 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.shards.files import write_npz_atomic
+from dflash.train.run_folder import ANCHOR_INDEX_FILE
+
 # Stream key for held-out evaluation anchors; training epochs use their own index.
 EVAL_STREAM = 2**31 - 1
 
@@ -220,8 +223,9 @@ class Corpus:
     """One or more caches seen as one list of sequences (global index = concatenation order).
 
     `num_eligible` [N] counts each sequence's eligible anchors. It needs every loss mask
-    once; it is computed at the first start and stored in `index_dir` (the run folder),
-    keyed by the caches' identities, so a resume reads no row before its first step.
+    once; it is computed at the first start and stored in `index_dir` (the run folder:
+    RUN/anchor_index.npz, written atomically), keyed by the caches' identities, so a resume
+    reads no row before its first step.
 
     Under several ranks the first count is split: rank r reads the masks of sequences
     r, r + world_size, ..., `combine` sums the per-rank arrays (an all-reduce) and rank 0
@@ -263,7 +267,7 @@ class Corpus:
 
     def _eligible_counts(self, index_dir: Path | None, rank: int, world_size: int,
                          combine: Callable[[np.ndarray], np.ndarray] | None, progress: bool) -> np.ndarray:
-        path = None if index_dir is None else Path(index_dir) / "anchor_index.npz"
+        path = None if index_dir is None else Path(index_dir) / ANCHOR_INDEX_FILE
         fingerprint = self.fingerprint()
         if path is not None and path.exists():  # every rank sees the same file: no rank writes yet
             stored = np.load(path)
@@ -283,9 +287,7 @@ class Corpus:
         if world_size > 1:
             counts = np.asarray(combine(counts), dtype=np.int64)
         if path is not None and rank == 0:
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, fingerprint=np.array(fingerprint), num_eligible=counts)
-            tmp.replace(path)
+            write_npz_atomic(path, fingerprint=np.array(fingerprint), num_eligible=counts)
         return counts
 
 

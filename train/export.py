@@ -1,5 +1,6 @@
 """`dflash-train export`: a trained drafter as a Hugging Face folder in z-lab's DFlash format,
-and loading drafters back (from a run's checkpoint or from such a folder).
+and loading such a folder back (`load_exported`; a run's checkpoints are read by
+train/run_folder.py, which also takes an exported folder as `--checkpoint`).
 
 The folder holds what z-lab/dflash's `DFlashDraftModel.from_pretrained` and the serving
 engines that adopted its format read:
@@ -33,7 +34,6 @@ transformers version and carries no unrelated defaults (id2label, return_dict, .
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +43,20 @@ import torch
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
-from dflash.train.checkpoint import latest_checkpoint
+from dflash.shards.target_info import TARGET_INFO_FILE
+from dflash.shards.writer import TARGET_DIR
 from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.run_folder import LoadedDrafter, eval_results_path, held_out_eval, load_drafter
 
 ARCHITECTURE = "DFlashDraftModel"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # What serving engines run drafters in; float16 is offered but has collapsed acceptance in
 # some engines (the target features overflow it).
 DEFAULT_EXPORT_DTYPE = "bfloat16"
+# The exported folder's files.
+HF_CONFIG_FILE = "config.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,7 +163,7 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
 def is_exported(path: str | Path) -> bool:
     """Whether `path` is a folder with a DFlash draft config.json and weights."""
     path = Path(path)
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    return (path / HF_CONFIG_FILE).is_file() and (path / HF_WEIGHTS_FILE).is_file()
 
 
 def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
@@ -166,13 +172,15 @@ def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = drafter_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    config = drafter_config_from_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path / HF_CONFIG_FILE))
     drafter = DFlashDrafter(config)
-    _load_weights(drafter, load_file(str(path / "model.safetensors")), path / "model.safetensors")
+    load_weights(drafter, load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE)
     return drafter.to(device=device, dtype=dtype)
 
 
-def _load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
+def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Load `state` into `drafter`, refusing (ValueError naming `where`) names or shapes that
+    differ from the drafter's config."""
     expected = drafter.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -207,94 +215,18 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
     with atomic_dir(out) as tmp:
         try:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_file(tensors, str(tmp / HF_WEIGHTS_FILE), metadata={"format": "pt"})
         except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-            raise OSError(f"{tmp / 'model.safetensors'}: cannot write the drafter's weights: {error}; "
+            raise OSError(f"{tmp / HF_WEIGHTS_FILE}: cannot write the drafter's weights: {error}; "
                           f"free space under {out.parent} and export again") from error
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if card is not None:
-            (tmp / "README.md").write_text(card)
+            (tmp / CARD_FILE).write_text(card)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# Runs
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadedDrafter:
-    """A drafter and where it came from."""
-
-    drafter: DFlashDrafter
-    checkpoint: Path
-    """The checkpoint folder (RUN/checkpoints/step-N) or exported folder it was read from."""
-    step: int | None
-    """Training step of the checkpoint (None for an exported folder)."""
-    fit_config: dict[str, Any] | None
-    """RUN/config.json, when loaded from a run."""
-
-
-def load_drafter(run: str | Path | None, checkpoint: str | Path | None = None, *,
-                 device: torch.device | str = "cpu") -> LoadedDrafter:
-    """The drafter of `checkpoint` (a RUN/checkpoints/step-N folder, or an exported folder),
-    by default RUN's newest complete checkpoint. Weights stay float32."""
-    from safetensors.torch import load_file
-
-    if checkpoint is not None and is_exported(checkpoint):
-        fit_config = _read_json(Path(run) / "config.json") if run is not None else None
-        return LoadedDrafter(load_exported(checkpoint, device=device), Path(checkpoint), None, fit_config)
-    if run is None:
-        raise ValueError("give --run (a folder written by dflash-train fit), or --checkpoint with an "
-                         "exported drafter folder")
-    run = Path(run)
-    fit_config = _read_json(run / "config.json")
-    drafter_config = DrafterConfig.from_dict(_read_json(run / "drafter_config.json"))
-    if checkpoint is None:
-        checkpoint = latest_checkpoint(run)
-        if checkpoint is None:
-            raise ValueError(f"{run}/checkpoints holds no complete checkpoint: train first, or pass --checkpoint")
-    checkpoint = Path(checkpoint)
-    weights = checkpoint / "model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"{weights} does not exist: --checkpoint takes a RUN/checkpoints/step-N folder "
-                         "or an exported drafter folder")
-    drafter = DFlashDrafter(drafter_config)
-    _load_weights(drafter, load_file(str(weights)), weights)
-    state = _read_json(checkpoint / "state.json") if (checkpoint / "state.json").is_file() else {}
-    return LoadedDrafter(drafter.to(device), checkpoint, state.get("step"), fit_config)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist: is this a run folder written by dflash-train fit?") from None
-
-
-def eval_results_path(run: Path, checkpoint: Path) -> Path:
-    """Where `dflash-train eval` keeps the figures of a checkpoint of a run."""
-    return Path(run) / "eval" / f"{Path(checkpoint).name}.json"
 
 
 def _plural(count: Any, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
-
-
-def held_out_eval(run: Path, step: int | None) -> dict[str, Any] | None:
-    """The held-out evaluation fit logged at `step` (RUN/events.jsonl), if any."""
-    events = run / "events.jsonl"
-    if step is None or not events.is_file():
-        return None
-    found = None
-    for line in events.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(event, dict) and event.get("event") == "eval" and event.get("step") == step:
-            found = event
-    return found
 
 
 def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
@@ -432,8 +364,8 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     evaluation = json.loads(results.read_text()) if results.is_file() else None
     token_ids = None
     caches = (loaded.fit_config or {}).get("cache") or []
-    if caches and (Path(caches[0]) / "target" / "target.json").is_file():
-        target = TargetInfo.load(Path(caches[0]) / "target")
+    if caches and (Path(caches[0]) / TARGET_DIR / TARGET_INFO_FILE).is_file():
+        target = TargetInfo.load(Path(caches[0]) / TARGET_DIR)
         token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step))
     if loaded.drafter.config.feature_width is not None:  # trained on basis coefficients: fold the basis in
@@ -465,15 +397,16 @@ def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) ->
 
 __all__ = [
     "ARCHITECTURE",
-    "LoadedDrafter",
+    "CARD_FILE",
+    "HF_CONFIG_FILE",
+    "HF_WEIGHTS_FILE",
     "drafter_config_from_hf",
-    "eval_results_path",
     "export_command",
     "export_run",
     "hf_config",
     "is_exported",
-    "load_drafter",
     "load_exported",
+    "load_weights",
     "model_card",
     "write_export",
 ]

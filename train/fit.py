@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,6 +54,7 @@ from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
+from dflash.train.run_folder import DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, SPIKES_FILE
 from dflash.train.runlock import RunLock, check_out_folder
 
 
@@ -279,20 +281,10 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     total_steps = config.data.max_steps or config.data.epochs * plan.steps_per_epoch
     eval_plan = _held_out_plan(corpus, held_out, config, world_size) if config.eval.eval_every else None
 
-    saved_config = run_dir / "config.json"
-    if saved_config.exists():
-        check_resume(saved_config, config)
+    if (run_dir / RUN_CONFIG_FILE).exists():
+        check_resume(run_dir / RUN_CONFIG_FILE, config)
     if is_main:
-        record_run_target(run_dir, fingerprint, caches)
-        for warning in warnings:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-        if config.eval.eval_every and eval_plan is None:
-            why = ("--eval-fraction is 0" if not held_out.any()
-                   else f"the {int(held_out.sum())} held-out sequences hold less than a block per rank")
-            print(f"warning: --eval-every {config.eval.eval_every} has no effect: {why}, so there is no "
-                  "held-out evaluation", file=sys.stderr, flush=True)
-        write_json_atomic(saved_config, config.to_dict())
-        write_json_atomic(run_dir / "drafter_config.json", drafter_config.to_dict())
+        _write_run_files(run_dir, config, drafter_config, fingerprint, warnings, caches, held_out, eval_plan)
 
     compute_dtype = _compute_dtype(config.runtime.dtype, device)
     torch.manual_seed(config.data.seed)
@@ -335,6 +327,22 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                model=model, wrapped=wrapped, parallel_kind=parallel_kind, head=head, optimizer=optimizer,
                gate=gate, writer=writer, logger=logger, step=step,
                last_checkpoint=str(resume_from) if resume_from else None)
+
+
+def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterConfig, fingerprint: str | None,
+                     warnings: list[str], caches: list, held_out: np.ndarray, eval_plan: DataPlan | None) -> None:
+    """Rank 0, before the model is built: RUN/run.json, the setup's warnings (and one when
+    --eval-every cannot evaluate), RUN/config.json and RUN/drafter_config.json (resolved)."""
+    record_run_target(run_dir, fingerprint, caches)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if config.eval.eval_every and eval_plan is None:
+        why = ("--eval-fraction is 0" if not held_out.any()
+               else f"the {int(held_out.sum())} held-out sequences hold less than a block per rank")
+        print(f"warning: --eval-every {config.eval.eval_every} has no effect: {why}, so there is no "
+              "held-out evaluation", file=sys.stderr, flush=True)
+    write_json_atomic(run_dir / RUN_CONFIG_FILE, config.to_dict())
+    write_json_atomic(run_dir / DRAFTER_CONFIG_FILE, drafter_config.to_dict())
 
 
 def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
@@ -502,7 +510,7 @@ def _log_spike(run_dir: Path, corpus: Corpus, plan: DataPlan, epoch: int, step_i
             "loss": _json_float(loss), "grad_norm": _json_float(grad_norm),
             "loss_mean": gate.loss_mean, "grad_norm_mean": gate.grad_norm_mean, "reason": reason,
             "consecutive_skips": gate.consecutive_skips, "sources": sources}
-    with open(run_dir / "spikes.jsonl", "a") as f:
+    with open(run_dir / SPIKES_FILE, "a") as f:
         f.write(json.dumps(line) + "\n")
 
 

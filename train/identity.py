@@ -16,8 +16,7 @@ from typing import Any
 from dflash.shards.files import write_json_atomic
 from dflash.shards.fingerprint import short
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
-
-RUN_INFO_FILE = "run.json"
+from dflash.train.run_folder import RUN_INFO_FILE
 
 
 def cache_fingerprint(cache: Any) -> str | None:

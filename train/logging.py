@@ -1,8 +1,10 @@
 """Run logging: metrics.jsonl (every step), events.jsonl, Weights & Biases, the console line.
 
 Only rank 0 logs. `RUN/metrics.jsonl` gets one line per step with exactly `STEP_KEYS`;
-`RUN/events.jsonl` gets everything else that happens (start, resume, checkpoints with their
-durations, held-out evaluations, skips, stop). W&B gets the same step keys (per-position
+`RUN/events.jsonl` gets the run's milestones: start (or resume), each checkpoint with its
+durations, each held-out evaluation, and done. A skipped update is not an event: it is the
+step line's `skipped` and a line of RUN/spikes.jsonl (written by fit); a stop on persistent
+spikes is the error fit raises (SpikeStop). W&B gets the same step keys (per-position
 accuracies as `accuracy/k`) and the events' numbers; it runs offline unless `WANDB_MODE`
 says otherwise. Files are appended and flushed per line, so a crash loses at most the line
 being written; at every start, step lines past the step the run starts from are dropped
@@ -22,6 +24,7 @@ import os
 from pathlib import Path
 
 from dflash.shards.files import write_atomic
+from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, WANDB_ID_FILE
 
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",
              "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "step_time_s")
@@ -91,11 +94,11 @@ class RunLogger:
         self._wandb_step = resume_step  # W&B refuses (drops, with a warning) steps that go back
         if not enabled:
             return
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = self.run_dir / METRICS_FILE
         if metrics.exists():
             _truncate_after(metrics, resume_step)
         self._metrics = open(metrics, "a", buffering=1)
-        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        self._events = open(self.run_dir / EVENTS_FILE, "a", buffering=1)
         if wandb_config is not None:
             import wandb
 
@@ -152,7 +155,7 @@ def _truncate_after(path: Path, step: int) -> None:
 
 def _wandb_id(run_dir: Path) -> str:
     """A stable W&B run id per run folder, so a resume continues the same W&B run."""
-    path = run_dir / "wandb_id.txt"
+    path = run_dir / WANDB_ID_FILE
     if not path.exists():
         import secrets
 

@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-LOCK_FILE = ".lock"
-RUN_CONFIG_FILE = "config.json"
+from dflash.train.run_folder import LOCK_FILE, RUN_CONFIG_FILE
 
 
 def is_run_folder(folder: Path) -> bool:
