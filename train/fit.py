@@ -47,10 +47,11 @@ from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
 from dflash.train import parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
-from dflash.train.config import FitConfig, LossConfig, ModelConfig, check_resume
+from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
+from dflash.train.init_from import adopt, load_state, model_fields, record_source, resolve_source, warm_start
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
 from dflash.train.runlock import RunLock, check_out_folder
@@ -266,12 +267,20 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main)
-    drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model)
+    source = resolve_source(run_dir, config.init_from)  # None: from scratch; refuses another source than the run's
+    num_layers, mask_token_id = model_fields(source, num_layers=config.model.num_layers,
+                                             mask_token_id=config.model.mask_token_id,
+                                             default_num_layers=DEFAULT_NUM_LAYERS)
+    model_config = dataclasses.replace(config.model, num_layers=num_layers, mask_token_id=mask_token_id)
+    drafter_config = _drafter_config(caches[0].target_dir, corpus, model_config)
+    if source is not None:
+        drafter_config = adopt(drafter_config, source, target_dir=caches[0].target_dir,
+                               mask_given=config.model.mask_token_id is not None)
     if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
         drafter_config = dataclasses.replace(drafter_config, feature_width=corpus.spec.feature_width,
                                              feature_basis_sha256=caches[0].feature_basis_sha256)
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, mask_token_id=drafter_config.mask_token_id))
+    config = dataclasses.replace(config, init_from=source.path if source else None,
+                                 model=dataclasses.replace(model_config, mask_token_id=drafter_config.mask_token_id))
     held_out = held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed)
     plan = _plan(corpus, held_out, config, world_size)
     # As the Hugging Face Trainer: max_steps, when set, overrides epochs (more epochs, each
@@ -284,6 +293,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
         check_resume(saved_config, config)
     if is_main:
         record_run_target(run_dir, fingerprint, caches)
+        if source is not None:
+            record_source(run_dir, source)
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         if config.eval.eval_every and eval_plan is None:
@@ -306,9 +317,12 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                              "dflash-precompute, or use --norm-init ones")
         with torch.no_grad():
             model.norm.weight.copy_(head.final_norm)
+    resume_from = latest_checkpoint(run_dir)
+    if source is not None and resume_from is None:  # weights only: optimizer, schedule and data order start fresh
+        warm_start(model, load_state(source), source.config, where=source.weights,
+                   basis=caches[0].load_feature_basis() if corpus.spec.is_basis else None)
     gate = SpikeGate(config.gating)
     parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
-    resume_from = latest_checkpoint(run_dir)
     step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
 
     if is_main and resume_from is not None:
