@@ -51,7 +51,8 @@ from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, Model
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
-from dflash.train.init_from import adopt, load_state, model_fields, record_source, resolve_source, warm_start
+from dflash.train.init_from import (InitSource, adopt, load_state, model_fields, record_source, resolve_source,
+                                    warm_start)
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
 from dflash.train.runlock import RunLock, check_out_folder
@@ -268,14 +269,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main)
     source = resolve_source(run_dir, config.init_from)  # None: from scratch; refuses another source than the run's
-    num_layers, mask_token_id = model_fields(source, num_layers=config.model.num_layers,
-                                             mask_token_id=config.model.mask_token_id,
-                                             default_num_layers=DEFAULT_NUM_LAYERS)
-    model_config = dataclasses.replace(config.model, num_layers=num_layers, mask_token_id=mask_token_id)
-    drafter_config = _drafter_config(caches[0].target_dir, corpus, model_config)
-    if source is not None:
-        drafter_config = adopt(drafter_config, source, target_dir=caches[0].target_dir,
-                               mask_given=config.model.mask_token_id is not None)
+    model_config, drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model, source)
     if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
         drafter_config = dataclasses.replace(drafter_config, feature_width=corpus.spec.feature_width,
                                              feature_basis_sha256=caches[0].feature_basis_sha256)
@@ -361,9 +355,15 @@ def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
             f"{epochs:.3g} epochs of {steps_per_epoch} steps ({why})")
 
 
-def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> DrafterConfig:
-    """The drafter sized for the target, checked against the cache's spec."""
+def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
+                    source: InitSource | None) -> tuple[ModelConfig, DrafterConfig]:
+    """(the model config with num_layers resolved, the drafter sized for the target and, when
+    warm-starting, checked against the source), checked against the cache's spec."""
     spec = corpus.spec
+    mask_given = model.mask_token_id is not None
+    num_layers, mask_token_id = model_fields(source, num_layers=model.num_layers, mask_token_id=model.mask_token_id,
+                                             default_num_layers=DEFAULT_NUM_LAYERS)
+    model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
                                                block_size=model.block_size, mask_token_id=model.mask_token_id)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
@@ -372,7 +372,9 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> Dra
             f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
             f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
         )
-    return drafter_config
+    if source is not None:
+        drafter_config = adopt(drafter_config, source, target_dir=target_dir, mask_given=mask_given)
+    return model, drafter_config
 
 
 def _plan(corpus: Corpus, excluded, config: FitConfig, world_size: int) -> DataPlan:
