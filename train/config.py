@@ -31,6 +31,7 @@ from typing import Any, Literal
 from dflash.shards.options import NONE_WORD, FieldInfo, field_docs, field_info
 from dflash.train.gating import GatingConfig
 
+DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
 AUTO = {NONE_WORD: "auto"}
 
 
@@ -42,8 +43,8 @@ def _positive(config: Any, *names: str) -> None:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    num_layers: int = 5
-    """Drafter decoder layers."""
+    num_layers: int | None = field(default=None, metadata=AUTO)
+    """Drafter decoder layers; auto: the --init-from source's, else 5."""
     block_size: int = 16
     """Tokens per block: the anchor and block_size - 1 predictions."""
     mask_token_id: int | None = field(default=None, metadata=AUTO)
@@ -57,7 +58,8 @@ class ModelConfig:
     norm is an RMSNorm)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "num_layers")
+        if self.num_layers is not None:
+            _positive(self, "num_layers")
         if self.block_size < 2:
             raise ValueError(f"fit config: block_size must be >= 2, got {self.block_size}")
 
@@ -192,6 +194,8 @@ class FitConfig:
     concatenated in this order."""
     out: str
     """Run folder: config, checkpoints, metrics; rerunning with it resumes."""
+    init_from: str | None = None
+    """Start from this drafter's weights (a z-lab-layout folder, a run folder or RUN/checkpoints/step-N)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -208,6 +212,11 @@ class FitConfig:
         # Stored resolved: RUN/config.json is read from other directories (eval, export, resume).
         self.cache = [_absolute(c) for c in self.cache]
         self.out = _absolute(self.out)
+        if self.init_from is not None:
+            self.init_from = _absolute(self.init_from)
+            if self.model.norm_init == "target":
+                raise ValueError("fit config: norm_init target and init_from exclude each other (the source's "
+                                 "final norm is loaded): drop --norm-init target")
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
         if self.data.tokens_per_step % self.model.block_size:
@@ -337,6 +346,7 @@ FIELDS = frozenset(LEAVES)
 RESUMABLE_CHANGES = frozenset({
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
     "max_consecutive_skips", "attention", "save_initial", "parallel",
+    "init_from",  # compared by the sha256 of the source's weights instead (train/init_from.py)
 })
 assert RESUMABLE_CHANGES <= FIELDS
 
@@ -377,8 +387,9 @@ def load_toml(path: str | Path) -> dict:
     if "cache" in values:
         caches = [values["cache"]] if isinstance(values["cache"], str) else values["cache"]
         values["cache"] = [str((path.parent / Path(c).expanduser()).resolve()) for c in caches]
-    if "out" in values:
-        values["out"] = str((path.parent / Path(values["out"]).expanduser()).resolve())
+    for key in ("out", "init_from"):
+        if key in values:
+            values[key] = str((path.parent / Path(values[key]).expanduser()).resolve())
     return values
 
 
@@ -410,7 +421,7 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
             )
 
 
-__all__ = ["COMPONENTS", "CheckpointConfig", "DataConfig", "FieldInfo", "FitConfig",
+__all__ = ["COMPONENTS", "CheckpointConfig", "DEFAULT_NUM_LAYERS", "DataConfig", "FieldInfo", "FitConfig",
            "HeldOutConfig",
            "GatingConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
            "RESUMABLE_CHANGES", "RuntimeConfig", "check_resume", "describe_fields", "field_docs",

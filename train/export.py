@@ -195,6 +195,8 @@ def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: 
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
+
+
 def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype = DTYPES[DEFAULT_EXPORT_DTYPE],
                  token_ids: dict[str, Any] | None = None, card: str | None = None) -> Path:
     """Write the folder: config.json, model.safetensors in `dtype`, README.md (when `card`
@@ -289,6 +291,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "## Training",
         "",
         f"Checkpoint: `{loaded.checkpoint}`" + (f" (step {loaded.step})" if loaded.step is not None else ""),
+        *([f"Warm-started from `{fit['init_from']}` (`fit --init-from`; RUN/run.json holds its sha256)."] if fit.get("init_from") else []),
         "",
         "```json",
         json.dumps(fit, indent=2) if fit else "{}",

@@ -48,10 +48,12 @@ from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
 from dflash.train import parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
-from dflash.train.config import FitConfig, LossConfig, ModelConfig, check_resume
+from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
+from dflash.train.init_from import (InitSource, adopt, load_state, model_fields, record_source, resolve_source,
+                                    warm_start)
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
 from dflash.train.run_folder import DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, SPIKES_FILE
@@ -268,12 +270,13 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main)
-    drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model)
+    source = resolve_source(run_dir, config.init_from)  # None: from scratch; refuses another source than the run's
+    model_config, drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model, source)
     if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
         drafter_config = dataclasses.replace(drafter_config, feature_width=corpus.spec.feature_width,
                                              feature_basis_sha256=caches[0].feature_basis_sha256)
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, mask_token_id=drafter_config.mask_token_id))
+    config = dataclasses.replace(config, init_from=source.path if source else None,
+                                 model=dataclasses.replace(model_config, mask_token_id=drafter_config.mask_token_id))
     held_out = held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed)
     plan = _plan(corpus, held_out, config, world_size)
     # As the Hugging Face Trainer: max_steps, when set, overrides epochs (more epochs, each
@@ -284,7 +287,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     if (run_dir / RUN_CONFIG_FILE).exists():
         check_resume(run_dir / RUN_CONFIG_FILE, config)
     if is_main:
-        _write_run_files(run_dir, config, drafter_config, fingerprint, warnings, caches, held_out, eval_plan)
+        _write_run_files(run_dir, config, drafter_config, fingerprint, warnings, caches, held_out, eval_plan, source)
 
     compute_dtype = _compute_dtype(config.runtime.dtype, device)
     torch.manual_seed(config.data.seed)
@@ -298,9 +301,12 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                              "dflash-precompute, or use --norm-init ones")
         with torch.no_grad():
             model.norm.weight.copy_(head.final_norm)
+    resume_from = latest_checkpoint(run_dir)
+    if source is not None and resume_from is None:  # weights only: optimizer, schedule and data order start fresh
+        warm_start(model, load_state(source), source.config, where=source.weights,
+                   basis=caches[0].load_feature_basis() if corpus.spec.is_basis else None)
     gate = SpikeGate(config.gating)
     parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
-    resume_from = latest_checkpoint(run_dir)
     step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
 
     if is_main and resume_from is not None:
@@ -330,10 +336,14 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
 
 
 def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterConfig, fingerprint: str | None,
-                     warnings: list[str], caches: list, held_out: np.ndarray, eval_plan: DataPlan | None) -> None:
-    """Rank 0, before the model is built: RUN/run.json, the setup's warnings (and one when
-    --eval-every cannot evaluate), RUN/config.json and RUN/drafter_config.json (resolved)."""
+                     warnings: list[str], caches: list, held_out: np.ndarray, eval_plan: DataPlan | None,
+                     source: InitSource | None) -> None:
+    """Rank 0, before the model is built: RUN/run.json (with the --init-from source), the
+    setup's warnings (and one when --eval-every cannot evaluate), RUN/config.json and
+    RUN/drafter_config.json (resolved)."""
     record_run_target(run_dir, fingerprint, caches)
+    if source is not None:
+        record_source(run_dir, source)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if config.eval.eval_every and eval_plan is None:
@@ -355,9 +365,15 @@ def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
             f"{epochs:.3g} epochs of {steps_per_epoch} steps ({why})")
 
 
-def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> DrafterConfig:
-    """The drafter sized for the target, checked against the cache's spec."""
+def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
+                    source: InitSource | None) -> tuple[ModelConfig, DrafterConfig]:
+    """(the model config with num_layers resolved, the drafter sized for the target and, when
+    warm-starting, checked against the source), checked against the cache's spec."""
     spec = corpus.spec
+    mask_given = model.mask_token_id is not None
+    num_layers, mask_token_id = model_fields(source, num_layers=model.num_layers, mask_token_id=model.mask_token_id,
+                                             default_num_layers=DEFAULT_NUM_LAYERS)
+    model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
                                                block_size=model.block_size, mask_token_id=model.mask_token_id)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
@@ -366,7 +382,9 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig) -> Dra
             f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
             f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
         )
-    return drafter_config
+    if source is not None:
+        drafter_config = adopt(drafter_config, source, target_dir=target_dir, mask_given=mask_given)
+    return model, drafter_config
 
 
 def _plan(corpus: Corpus, excluded, config: FitConfig, world_size: int) -> DataPlan:

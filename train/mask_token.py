@@ -67,6 +67,22 @@ def choose_mask_token_id(target: TargetInfo, target_dir: str | Path | None = Non
         "the target never generates explicitly (fit config field `mask_token_id`)")
 
 
+
+def mask_token_refusal(token_id: int, target: TargetInfo, target_dir: str | Path | None = None) -> str | None:
+    """Why `token_id` cannot be this target's mask token under `choose_mask_token_id`'s rule
+    (a phrase: "a stop, pad, bos or unk token", ...), or None when it can."""
+    if not 0 <= token_id < target.vocab_size:
+        return f"not a row of the embedding ({target.vocab_size} rows)"
+    vocab = _TokenizerVocabulary.read(target_dir) if target_dir is not None else None
+    reserved = _token_ids(target.eos_token_id, target.pad_token_id, target.bos_token_id)
+    if vocab is not None:
+        reserved |= vocab.reserved_ids
+    if token_id in reserved:
+        return "a stop, pad, bos or unk token"
+    if vocab is not None and vocab.special.get(token_id, "\0") in vocab.template:
+        return "a token the chat template writes"
+    return None
+
 def _token_ids(*values: int | list[int] | None) -> set[int]:
     """Token-id fields (an id, a list of ids, or None) as one set."""
     ids: set[int] = set()
@@ -148,4 +164,4 @@ def read_target_json(path: Path) -> dict:
         raise ValueError(f"{path} is missing: is this a complete dflash cache's target/ folder?") from None
 
 
-__all__ = ["choose_mask_token_id", "read_target_json"]
+__all__ = ["choose_mask_token_id", "mask_token_refusal", "read_target_json"]
