@@ -9,8 +9,8 @@ cannot flip an argmax.
 import pytest
 import torch
 
-from dflash.train.online import Prompt, evaluate_online
 from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.online import Prompt, evaluate_online
 from dflash.train.speculative import (
     DrafterProposer,
     greedy_generate,

@@ -133,11 +133,11 @@ def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
     bfloat16 weights, both written here, not by our export."""
     folder = tmp_path / "z-lab"
     folder.mkdir()
-    L, H, I, V = 2, 32, 64, 64
+    L, H, F, V = 2, 32, 64, 64
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
         "dflash_config": {"mask_token_id": 62, "target_layer_ids": [0, 2, 4]}, "num_target_layers": 6,
-        "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": 4,
+        "hidden_size": H, "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "rope_theta": 1_000_000, "vocab_size": V, "max_position_embeddings": 40960, "attention_bias": False,
         "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
@@ -151,8 +151,8 @@ def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
         shapes |= {p + "self_attn.q_proj.weight": (32, H), p + "self_attn.k_proj.weight": (16, H),
                    p + "self_attn.v_proj.weight": (16, H), p + "self_attn.o_proj.weight": (H, 32),
                    p + "self_attn.q_norm.weight": (8,), p + "self_attn.k_norm.weight": (8,),
-                   p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-                   p + "mlp.down_proj.weight": (H, I), p + "input_layernorm.weight": (H,),
+                   p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                   p + "mlp.down_proj.weight": (H, F), p + "input_layernorm.weight": (H,),
                    p + "post_attention_layernorm.weight": (H,)}
     tensors = {name: (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(tensors, str(folder / "model.safetensors"))
@@ -223,7 +223,8 @@ def test_warm_start_onto_a_basis_cache(cache_dir, source, tmp_path, rank):
     ("intermediate_size", 40, r"intermediate_size is 40 in the source, 64 for this run's target"),
     ("vocab_size", 80, r"vocab_size is 80 in the source, 64 for this run's target"),
     ("target_layer_ids", [0, 2, 3], r"target_layer_ids is \[0, 2, 3\] in the source, the cache's feature layers "
-                                    r"are \[0, 2, 4\]: rebuild the cache with dflash-precompute --feature-layers 0,2,3"),
+                                    r"are \[0, 2, 4\]: rebuild the cache with "
+                                    r"dflash-precompute --feature-layers 0,2,3"),
     ("mask_token_id", 63, r"the source's mask_token_id 63 is a stop, pad, bos or unk token of this target: pass "
                           r"--mask-token-id"),
 ])

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dflash.shards import TargetInfo
-from dflash.train.online import Prompt, evaluate_online
 from dflash.train.export import load_exported, write_export
 from dflash.train.mask_token import choose_mask_token_id
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
+from dflash.train.online import Prompt, evaluate_online
 from dflash.train.speculative import DrafterProposer, _cache_kwarg, _crop, greedy_generate, target_features
 from tests.builders import drafter_config, tiny_causal_lm
 

@@ -161,7 +161,7 @@ class CheckpointWriter:
             event = CheckpointEvent(step, str(final), snapshot_s, wait_s, time.perf_counter() - t0, size)
             with self._lock:
                 self._finished.append(event)
-        except BaseException as error:  # re-raised in the training loop by check()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the training loop by check()
             # atomic_dir has deleted the temporary folder (it may hold the space a rerun needs).
             self._error = error
 
@@ -247,6 +247,6 @@ def _read_part(file: Path, what: str, read):
         return read(file)
     except FileNotFoundError:
         raise
-    except Exception as error:  # noqa: BLE001 - SafetensorError, UnpicklingError, JSONDecodeError, ...
+    except Exception as error:
         raise ValueError(f"{file}: cannot read the checkpoint's {what}: {error}; resume from an "
                          f"earlier checkpoint (delete {file.parent.name})") from error

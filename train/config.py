@@ -19,6 +19,7 @@ import functools
 import json
 import types
 import typing
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI

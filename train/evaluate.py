@@ -346,7 +346,8 @@ def _save_result(path: Path, result: dict[str, Any]) -> Path:
 
 def format_report(result: dict[str, Any]) -> str:
     """The human table printed by `dflash-train eval`."""
-    lines = [f"checkpoint {result['checkpoint']}" + (f" (step {result['step']})" if result.get("step") is not None else "")]
+    step = f" (step {result['step']})" if result.get("step") is not None else ""
+    lines = [f"checkpoint {result['checkpoint']}{step}"]
     if result.get("acceptance_length") is not None:
         lines.append(
             f"offline  tau {result['acceptance_length']:.3f} over {result['num_anchors']} anchors of "

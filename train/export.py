@@ -291,7 +291,8 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "## Training",
         "",
         f"Checkpoint: `{loaded.checkpoint}`" + (f" (step {loaded.step})" if loaded.step is not None else ""),
-        *([f"Warm-started from `{fit['init_from']}` (`fit --init-from`; RUN/run.json holds its sha256)."] if fit.get("init_from") else []),
+        *([f"Warm-started from `{fit['init_from']}` (`fit --init-from`; RUN/run.json holds its sha256)."]
+          if fit.get("init_from") else []),
         "",
         "```json",
         json.dumps(fit, indent=2) if fit else "{}",
@@ -341,7 +342,8 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
     lines = ["| measure | acceptance length (tau) | on |", "|---|---|---|"]
     if evaluation.get("acceptance_length") is not None:
         lines.append(f"| offline, all held-out anchors | {evaluation['acceptance_length']:.3f} | "
-                     f"{_plural(evaluation.get('num_anchors'), 'anchor')} of {_plural(evaluation.get('num_sequences'), 'sequence')} |")
+                     f"{_plural(evaluation.get('num_anchors'), 'anchor')} of "
+                     f"{_plural(evaluation.get('num_sequences'), 'sequence')} |")
     if evaluation.get("replay_acceptance_length") is not None:
         lines.append(f"| offline, greedy decoding replayed | {evaluation['replay_acceptance_length']:.3f} | "
                      f"{evaluation.get('num_replay_verifications')} verifications |")

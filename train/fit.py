@@ -52,8 +52,15 @@ from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, Model
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
-from dflash.train.init_from import (InitSource, adopt, load_state, model_fields, record_source, resolve_source,
-                                    warm_start)
+from dflash.train.init_from import (
+    InitSource,
+    adopt,
+    load_state,
+    model_fields,
+    record_source,
+    resolve_source,
+    warm_start,
+)
 from dflash.train.logging import RunLogger, console_line
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead, count_parameters
 from dflash.train.run_folder import DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, SPIKES_FILE

@@ -196,7 +196,7 @@ class TargetHead:
             raise ValueError(f"{path} is missing: the cache's target/ folder is incomplete")
         try:
             tensors = load_file(str(path), device=str(device))
-        except Exception as error:  # noqa: BLE001 - SafetensorError on a damaged or foreign file
+        except Exception as error:
             raise ValueError(f"{path}: cannot read the target's embedding and LM head: {error}; rebuild "
                              "the cache's target/ folder with dflash-precompute") from error
         missing = {"embed_tokens.weight", "lm_head.weight"} - tensors.keys()

@@ -64,7 +64,8 @@ def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int],
     from dflash.shards.synthetic import write_synthetic_cache
 
     spec = CacheSpec(vocab_size=vocab_size, hidden_size=hidden_size, layer_ids=list(layer_ids),
-                     top_k=top_k, feature_codec=feature_codec, feature_rank=feature_rank, max_length=int(np.max(lengths)),
+                     top_k=top_k, feature_codec=feature_codec, feature_rank=feature_rank,
+                     max_length=int(np.max(lengths)),
                      target={"name": "synthetic", "model_type": "qwen3", "num_layers": num_layers,
                              "config_sha256": "synthetic", "dtype": "bfloat16"})
     cache = write_synthetic_cache(cache_dir, spec, lengths, seed=seed, zipf=zipf)
