@@ -51,6 +51,12 @@ DEFAULT_ENGINE_VENV = REPO / ".venv-engine"
 # the smallest is used, with 2 heads and hidden 64.
 TARGET_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+# A RoPE base far from vLLM's silent default (1e6): with 1e4 this tiny drafter's drafts do not
+# change at these context lengths when run at 1e6, so a missing rope_theta would go unseen.
+TARGET_ROPE_THETA = 100.0
+# Drafter top-1 minus top-2 logit below which vLLM's kernels may pick the other draft (seen:
+# 0.003 at one step of 75); a first difference at such a step ends that prompt's comparison.
+DRAFT_NEAR_TIE = 0.01
 
 USERS = ["Hello there!", "Tell me a short story.", "What is the capital of France?", "Numbers please.",
          "How is the weather?", "Tell me about the fox.", "Who are you?", "Count to ten.",
@@ -85,7 +91,8 @@ def build_target(path: Path) -> Path:
     tokenizer = char_tokenizer()
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "ab", not "a b"
     config = LlamaConfig(vocab_size=len(tokenizer) + NUM_SPARE_ROWS, tie_word_embeddings=True, pad_token_id=0,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **TARGET_DIMS)
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": TARGET_ROPE_THETA}, **TARGET_DIMS)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions: greedy near-ties are rare
@@ -140,27 +147,59 @@ def prompts(target: Path, records: Path):
     return found
 
 
+class MarginProposer:
+    """A `DrafterProposer` that also keeps each proposed block's drafter top-1 minus top-2
+    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise)."""
+
+    def __init__(self, drafter, head):
+        from dflash.train.speculative import DrafterProposer
+
+        self.inner = DrafterProposer(drafter, head)
+        self.margins: list[list[float]] = []
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.margins = []
+
+    def commit(self, features: torch.Tensor) -> None:
+        self.inner.commit(features)
+
+    @torch.inference_mode()
+    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        inner = self.inner
+        block = torch.full((1, block_size), inner.mask_token_id, dtype=torch.long)  # [1, B]
+        block[0, 0] = anchor_token
+        logits = inner.head.logits(inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0, 1:])
+        top = logits.float().topk(2, dim=-1)  # [B-1, 2]
+        self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
+        return top.indices[:, 0].tolist()
+
+
 def dflash_reference(target: Path, export: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
                      block_size: int) -> list[dict[str, Any]]:
-    """Per prompt: the target's greedy tokens, dflash's speculative tokens and its per-step
-    accepted drafts (committed - 1), with the exported drafter in float32."""
+    """Per prompt: the target's greedy tokens, dflash's speculative tokens, its per-step
+    accepted drafts (committed - 1) and the smallest drafter margin among the drafts that
+    decided each step's count (the accepted ones and the first rejected one), with the
+    exported drafter in float32."""
     from dflash.train.evaluate import load_target
     from dflash.train.export import load_exported
     from dflash.train.model import TargetHead
-    from dflash.train.speculative import DrafterProposer, greedy_generate, speculative_generate
+    from dflash.train.speculative import greedy_generate, speculative_generate
 
     drafter = load_exported(export).float().eval()
     model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
     head = TargetHead(embed_tokens=model.get_input_embeddings().weight.detach(),
                       lm_head=model.get_output_embeddings().weight.detach())
-    proposer = DrafterProposer(drafter, head)
+    proposer = MarginProposer(drafter, head)
     out = []
     for ids in prompt_ids:
         greedy = greedy_generate(model, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
         spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, block_size=block_size,
                                     layer_ids=list(drafter.config.target_layer_ids), stop_token_ids=stops)
-        out.append({"greedy": greedy.tokens, "tokens": spec.tokens,
-                    "accepted": [n - 1 for n in spec.acceptance_lengths]})
+        accepted = [n - 1 for n in spec.acceptance_lengths]
+        margins = proposer.margins + [[]] * (len(accepted) - len(proposer.margins))  # a last 1-token block drafts nothing
+        out.append({"greedy": greedy.tokens, "tokens": spec.tokens, "accepted": accepted,
+                    "draft_margins": [min(m[: a + 1], default=float("inf")) for m, a in zip(margins, accepted)]})
     return out
 
 
@@ -266,6 +305,22 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
     return json.loads(out_path.read_text())["cases"]
 
 
+def engine_root_cause(log_path: Path, name: str) -> str | None:
+    """The last exception line the engine's processes logged while case `name` ran (vLLM
+    reports a failed start as "Engine core initialization failed" and logs the cause)."""
+    chunk = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("engine case "):
+            if line.startswith(f"engine case {name}:"):
+                break
+            chunk = []
+        else:
+            chunk.append(line)
+    causes = [line.split("] ", 1)[-1] for line in chunk
+              if "Error: " in line and "Engine core initialization failed" not in line]
+    return causes[-1] if causes else None
+
+
 def dflash_case(name: str, drafter: Path, block_size: int) -> dict[str, Any]:
     return {"name": name, "speculative_config": {"method": "dflash", "model": str(drafter),
                                                   "num_speculative_tokens": block_size - 1}}
@@ -297,10 +352,12 @@ def figures(steps: list[list[int]], block_size: int) -> dict[str, Any]:
 
 
 def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tokens: int,
-               greedy: dict[str, Any] | None = None) -> list[str]:
+               greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None) -> list[str]:
     """What differs between vLLM's case and dflash's reference; empty: the case passes.
     Lossless: vLLM's tokens == dflash's greedy (== vLLM's target-alone `greedy` when given);
-    acceptance: vLLM's per-step accepted drafts, cut to what was owed, == dflash's."""
+    acceptance: vLLM's per-step accepted drafts, cut to what was owed, == dflash's, up to a
+    first difference at a drafter near-tie (DRAFT_NEAR_TIE), which ends that prompt's
+    comparison and is noted in `near_ties`."""
     if "error" in case:
         return [f"{case['name']}: the engine failed: {case['error'].splitlines()[0][:400]}"]
     failures = []
@@ -318,6 +375,10 @@ def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tok
         if vllm_steps != ref["accepted"]:
             j = next((j for j, (a, b) in enumerate(zip(vllm_steps, ref["accepted"])) if a != b),
                      min(len(vllm_steps), len(ref["accepted"])))
+            if j < len(ref["draft_margins"]) and ref["draft_margins"][j] < DRAFT_NEAR_TIE:
+                if near_ties is not None:  # both sides right; the steps after it no longer align
+                    near_ties.append(f"prompt {i} step {j}: drafter margin {ref['draft_margins'][j]:.4f}")
+                continue
             failures.append(
                 f"{case['name']}: prompt {i}: accepted drafts differ at verify step {j} of "
                 f"{len(ref['accepted'])}: vLLM {vllm_steps[j:j + 6]} vs dflash {ref['accepted'][j:j + 6]} "
@@ -403,8 +464,13 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
     for family, case in prepared["cases"]:
         result = by_name[case["name"]]
         reference = prepared["references"][family]
+        near_ties: list[str] = []
+        if "error" in result:
+            result = {**result, "error": engine_root_cause(config.work / "engine.log", case["name"]) or result["error"]}
         row = {"name": case["name"], "family": family, "broken": case["name"] in {**BROKEN, **BASIS_BROKEN},
-               "failures": check_case(reference, result, max_tokens=MAX_NEW_TOKENS, greedy=greedy),
+               "failures": check_case(reference, result, max_tokens=MAX_NEW_TOKENS, greedy=greedy,
+                                      near_ties=near_ties),
+               "near_ties": near_ties,
                "start_s": result.get("start_s"), "decode_s": result.get("decode_s"),
                "dflash": figures([r["accepted"] for r in reference], config.block_size)}
         if "outputs" in result:
@@ -430,6 +496,7 @@ def format_report(result: dict[str, Any]) -> str:
                              f"{[round(p, 3) for p in f['per_position']]} over {f['num_verifications']} verifies")
         if row.get("start_s") is not None:
             lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_tokens_per_s']:.1f} tok/s batched")
+        lines += [f"  near-tie, not compared further: {note}" for note in row["near_ties"]]
         lines += [f"  {failure}" for failure in row["failures"][:3]]
         if len(row["failures"]) > 3:
             lines.append(f"  ... {len(row['failures']) - 3} more")
