@@ -51,12 +51,14 @@ DEFAULT_ENGINE_VENV = REPO / ".venv-engine"
 # the smallest is used, with 2 heads and hidden 64.
 TARGET_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
-# A RoPE base far from vLLM's silent default (1e6): with 1e4 this tiny drafter's drafts do not
-# change at these context lengths when run at 1e6, so a missing rope_theta would go unseen.
-TARGET_ROPE_THETA = 100.0
 # Drafter top-1 minus top-2 logit below which vLLM's kernels may pick the other draft (seen:
 # 0.003 at one step of 75); a first difference at such a step ends that prompt's comparison.
 DRAFT_NEAR_TIE = 0.01
+
+# The target's (so the drafter's) RoPE base: not 1e4, the value a config without rope_theta gets
+# in vLLM 0.32 (transformers' Qwen3Config default fills rope_parameters before vLLM's own 1e6
+# fallback can), so that a missing rope_theta changes what vLLM runs.
+TARGET_ROPE_THETA = 100.0
 
 USERS = ["Hello there!", "Tell me a short story.", "What is the capital of France?", "Numbers please.",
          "How is the weather?", "Tell me about the fox.", "Who are you?", "Count to ten.",
@@ -243,7 +245,8 @@ def wrong_mask_token_id(folder: Path, **_) -> None:
 
 
 def rope_theta_missing(folder: Path, **_) -> None:
-    """Neither rope_theta nor rope_parameters: vLLM falls back to 1e6 silently (trained: the target's 1e4)."""
+    """Neither rope_theta nor rope_parameters: vLLM 0.32 then runs the drafter at transformers'
+    Qwen3Config default 1e4, silently (trained: TARGET_ROPE_THETA)."""
     def drop(config: dict) -> None:
         config.pop("rope_theta")
         config.pop("rope_parameters")
@@ -352,15 +355,20 @@ def figures(steps: list[list[int]], block_size: int) -> dict[str, Any]:
 
 
 def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tokens: int,
-               greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None) -> list[str]:
+               greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None,
+               rope_theta: float | None = None) -> list[str]:
     """What differs between vLLM's case and dflash's reference; empty: the case passes.
     Lossless: vLLM's tokens == dflash's greedy (== vLLM's target-alone `greedy` when given);
     acceptance: vLLM's per-step accepted drafts, cut to what was owed, == dflash's, up to a
     first difference at a drafter near-tie (DRAFT_NEAR_TIE), which ends that prompt's
-    comparison and is noted in `near_ties`."""
+    comparison and is noted in `near_ties`. And the RoPE base vLLM resolved for the drafter ==
+    `rope_theta`, the trained one: a tiny drafter's drafts need not change with it, a real one's do."""
     if "error" in case:
         return [f"{case['name']}: the engine failed: {case['error'].splitlines()[0][:400]}"]
     failures = []
+    resolved = (case.get("resolved") or {}).get("rope_theta")
+    if rope_theta is not None and resolved != rope_theta:
+        failures.append(f"{case['name']}: vLLM runs the drafter with RoPE base {resolved}, trained with {rope_theta}")
     for i, (ref, out) in enumerate(zip(reference, case["outputs"], strict=True)):
         for other, tokens in [("dflash's greedy", ref["greedy"])] + (
                 [("vLLM's target alone", greedy["outputs"][i]["tokens"])] if greedy else []):
@@ -427,7 +435,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
     families = [("bf16", tuple(config.broken))] + ([("basis-fp8", tuple(BASIS_BROKEN))] if config.basis else [])
     target = work / "target"
     prompt_ids = None
-    cases, references = [], {}
+    cases, references, rope_theta = [], {}, {}
     for codec, broken in families:
         run = train_run(work, block_size=config.block_size, feature_codec=codec)
         good = work / f"dflash-{codec}-b{config.block_size}-{config.dtype}"
@@ -435,6 +443,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             export_run(run, good, dtype=config.dtype)
         if prompt_ids is None:
             prompt_ids = [p.token_ids for p in prompts(target, work / "records.jsonl")]
+        rope_theta[codec] = json.loads((good / "config.json").read_text())["rope_theta"]
         references[codec] = dflash_reference(target, good, prompt_ids, max_new_tokens=MAX_NEW_TOKENS,
                                              block_size=config.block_size)
         cases.append((codec, dflash_case(good.name, good, config.block_size)))
@@ -442,7 +451,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             folder = broken_export(good, name, work / f"dflash-broken-{name}", run=run)
             cases.append((codec, dflash_case(name, folder, config.block_size)))
     return {"target": target, "prompt_ids": prompt_ids, "cases": cases, "references": references,
-            "prepare_s": time.perf_counter() - t0}
+            "rope_theta": rope_theta, "prepare_s": time.perf_counter() - t0}
 
 
 def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
@@ -469,7 +478,7 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
             result = {**result, "error": engine_root_cause(config.work / "engine.log", case["name"]) or result["error"]}
         row = {"name": case["name"], "family": family, "broken": case["name"] in {**BROKEN, **BASIS_BROKEN},
                "failures": check_case(reference, result, max_tokens=MAX_NEW_TOKENS, greedy=greedy,
-                                      near_ties=near_ties),
+                                      near_ties=near_ties, rope_theta=prepared["rope_theta"][family]),
                "near_ties": near_ties,
                "start_s": result.get("start_s"), "decode_s": result.get("decode_s"),
                "dflash": figures([r["accepted"] for r in reference], config.block_size)}

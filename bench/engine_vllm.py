@@ -5,8 +5,8 @@ vLLM and the standard library, never dflash.
 
 JOB: {"target": folder, "prompts": [[ids...]...], "max_tokens": n,
       "cases": [{"name": str, "speculative_config": dict | null}, ...]}
-OUT: {"cases": [{"name", "start_s", "decode_s", "outputs": [{"tokens", "per_step_accepted",
-      "per_step_drafted"}...]} or {"name", "error"}]}
+OUT: {"cases": [{"name", "start_s", "decode_s", "resolved": {"rope_theta", "dflash_config"},
+      "outputs": [{"tokens", "per_step_accepted", "per_step_drafted"}...]} or {"name", "error"}]}
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
@@ -32,6 +32,13 @@ def run_case(job: dict, case: dict) -> dict:
               max_model_len=job.get("max_model_len", 512), max_num_seqs=len(job["prompts"]),
               speculative_config=case["speculative_config"], **({"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}))
     start_s = time.perf_counter() - t0
+    resolved = None
+    spec = llm.llm_engine.vllm_config.speculative_config
+    if spec is not None:  # the drafter config as vLLM read it (its defaults filled in)
+        hf = spec.draft_model_config.hf_config
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        resolved = {"rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
+                    "dflash_config": getattr(hf, "dflash_config", None)}
     try:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], detokenize=False)
         t0 = time.perf_counter()
@@ -48,7 +55,8 @@ def run_case(job: dict, case: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"name": case["name"], "start_s": start_s, "decode_s": decode_s, "outputs": outputs}
+    return {"name": case["name"], "start_s": start_s, "decode_s": decode_s, "resolved": resolved,
+            "outputs": outputs}
 
 
 def main(job_path: str, out_path: str) -> None:

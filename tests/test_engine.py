@@ -2,7 +2,9 @@
 transformers<5.20) decodes with a drafter dflash trained and exported, losslessly, and its
 per-step accepted drafts equal dflash's own speculative loop's, step for step; each broken
 export of the users' reports (layer ids off by one, ids reversed with fc permuted, a wrong
-mask token, rope_theta missing) fails that check.
+mask token, rope_theta missing) fails that check. The last one is caught by the RoPE base
+vLLM resolved for the drafter (1e4, transformers' Qwen3Config default, against the trained
+100), not by the decoding: this tiny drafter's drafts do not change with the base.
 
 All at tiny size (bench/engine_check.py: a random Llama target with tied embeddings and
 vLLM-sized heads, a regenerated cache, a brief fit). One engine per drafter folder (vLLM
