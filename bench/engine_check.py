@@ -25,8 +25,15 @@ still owed (`speculative_generate`), vLLM always drafts B-1 and counts acceptanc
 min(accepted, owed - 1), where owed = max_tokens - tokens produced before the step (the
 bonus token of the step is always produced).
 
-Broken exports (`--broken`): the same export mutated as users' reports found engines
-misreading them; each must FAIL the checks (acceptance differs; vLLM stays lossless).
+And the RoPE base vLLM resolved for the drafter equals the trained one (a tiny drafter's
+drafts need not change with it). A first difference at a step where dflash's drafter had a
+near-tie (top-1 minus top-2 logit < DRAFT_NEAR_TIE) is noted, not failed: vLLM's kernels may
+pick the other draft, and that prompt's later steps no longer align.
+
+Broken exports (`--broken`, `--basis`): the export mutated as users' reports found engines
+misreading them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays
+lossless), rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to
+load it. Exit status 1 when the good export fails or a broken one passes.
 """
 
 from __future__ import annotations
