@@ -38,15 +38,15 @@ load it. Exit status 1 when the good export fails or a broken one passes.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -87,8 +87,8 @@ def build_target(path: Path) -> Path:
     """A random 6-layer Llama (tied embeddings) over the tests' character-level ChatML
     tokenizer, with vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick).
 
-    Character tokens (decoded without spaces between them) make regeneration exact: a reply decoded to text and encoded again is
-    the same ids (a byte-level BPE target emits partial UTF-8 that comes back as U+FFFD), so
+    Character tokens (decoded without spaces between them) make regeneration exact: a reply
+    decoded to text and encoded again is the same ids (a byte-level BPE target emits partial UTF-8 that comes back as U+FFFD), so
     the cache holds the very trajectories the check decodes. The spare rows are zero, so the
     target never emits them (its top logit is positive).
     """
@@ -141,7 +141,8 @@ def train_run(work: Path, *, block_size: int, feature_codec: str = "bf16", max_s
     run = work / f"run-{feature_codec}-b{block_size}"
     if not (run / "checkpoints").is_dir():
         fit(tiny_fit_config(cache, run, block_size=block_size, max_steps=max_steps, eval_fraction=0.0,
-                            lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps, tokens_per_step=384, log_every=50))
+                            lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
+                            tokens_per_step=384, log_every=50))
     return run
 
 
@@ -206,7 +207,8 @@ def dflash_reference(target: Path, export: Path, prompt_ids: list[list[int]], *,
         spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, block_size=block_size,
                                     layer_ids=list(drafter.config.target_layer_ids), stop_token_ids=stops)
         accepted = [n - 1 for n in spec.acceptance_lengths]
-        margins = proposer.margins + [[]] * (len(accepted) - len(proposer.margins))  # a last 1-token block drafts nothing
+        # a last 1-token block drafts nothing
+        margins = proposer.margins + [[]] * (len(accepted) - len(proposer.margins))
         out.append({"greedy": greedy.tokens, "tokens": spec.tokens, "accepted": accepted,
                     "draft_margins": [min(m[: a + 1], default=float("inf")) for m, a in zip(margins, accepted)]})
     return out

@@ -28,9 +28,10 @@ def run_case(job: dict, case: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
     llm = LLM(model=job["target"], dtype="float32", enforce_eager=True, seed=0,
               max_model_len=job.get("max_model_len", 512), max_num_seqs=len(job["prompts"]),
-              speculative_config=case["speculative_config"], **({"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}))
+              speculative_config=case["speculative_config"], **metrics)
     start_s = time.perf_counter() - t0
     resolved = None
     spec = llm.llm_engine.vllm_config.speculative_config
@@ -65,7 +66,7 @@ def main(job_path: str, out_path: str) -> None:
     for case in job["cases"]:
         try:
             results.append(run_case(job, case))
-        except Exception as error:  # the engine refused the drafter: that is the case's result
+        except Exception as error:  # noqa: BLE001 - the engine refused the drafter: that is the case's result
             results.append({"name": case["name"], "error": f"{type(error).__name__}: {error}"[:2000]})
         print(f"engine case {case['name']}: {'error' if 'error' in results[-1] else 'done'}", flush=True)
         with open(out_path, "w") as f:  # after every case: a crash later keeps the earlier ones
