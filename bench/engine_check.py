@@ -89,8 +89,9 @@ def build_target(path: Path) -> Path:
 
     Character tokens (decoded without spaces between them) make regeneration exact: a reply
     decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
-    UTF-8 that comes back as U+FFFD), so the cache holds the very trajectories the check decodes. The spare rows are zero, so the
-    target never emits them (its top logit is positive).
+    UTF-8 that comes back as U+FFFD), so the cache holds the very trajectories the check
+    decodes. The spare rows are zero, so the target never emits them (its top logit is
+    positive).
     """
     from tokenizers import decoders
     from transformers import AutoModelForCausalLM, LlamaConfig
