@@ -181,6 +181,8 @@ def test_online_eval_is_lossless_beside_offline(chat_setup):
     # The held-out sequences are the prompts: both sides see the same conversations.
     assert figures["num_sequences"] == online["num_prompts"] == len(held)
     assert sorted(p["index"] for p in online["per_prompt"]) == held.tolist()
+    steps = [n for p in online["per_prompt"] for n in p["acceptance_lengths"]]  # per verify, for engine checks
+    assert all(1 <= n <= 4 for n in steps) and np.mean(steps) == pytest.approx(online["acceptance_length"])
     assert online["lossless"] is True and online["mismatches"] == []
     assert online["stop_token_ids"] == [2]
     assert 1.0 <= online["acceptance_length"] <= 4.0

@@ -134,6 +134,7 @@ def evaluate_online(
         per_prompt.append({
             **prompt.source, "prompt_tokens": len(prompt.token_ids), "new_tokens": len(output.tokens),
             "acceptance_length": float(np.mean(output.acceptance_lengths)) if output.acceptance_lengths else None,
+            "acceptance_lengths": output.acceptance_lengths,  # per verify: an engine's per-step count meets these
             "lossless": mismatch is None,
         })
         if progress is not None:
