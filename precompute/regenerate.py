@@ -63,13 +63,13 @@ class RegenerateConfig:
     """Everything `dflash-regenerate` does, as one validated value."""
 
     data: list[Path]
-    """Input files (as stage one reads them), read in this order."""
+    """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
     out: Path
-    """Output JSONL (`.jsonl`, or `.jsonl.zst` for a compressed one)."""
+    """Output .jsonl or .jsonl.zst (compressed when the run finishes); rerun the same command to resume."""
     servers: list[str]
-    """Base URLs of OpenAI-compatible servers, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."""
+    """OpenAI-compatible server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); repeat for several."""
     model: str | None = None
-    """Model name sent with each request; None: the first one the first server lists."""
+    """Model name sent with each request (default: the first one the first server lists)."""
     max_new_tokens: int = 512
     """Longest reply, in tokens."""
     temperature: float = 0.0
@@ -79,9 +79,9 @@ class RegenerateConfig:
     seed: int = 0
     """Run seed; each request's seed is derived from it, the record and the turn."""
     concurrency: int = 8
-    """Records in flight at once, over all servers."""
+    """Records in flight at once, over all servers (raise it until the servers' batches are full)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Sent as `chat_template_kwargs` with every request (e.g. {"enable_thinking": false})."""
+    """JSON object sent as `chat_template_kwargs` with every request, e.g. '{"enable_thinking": false}'."""
     chat_template: Path | None = None
     """A Jinja chat template file, sent as the `chat_template` request field (vLLM accepts it;
     SGLang and transformers serve take a template at launch and refuse the field)."""
@@ -90,7 +90,7 @@ class RegenerateConfig:
     timeout_s: float = 600.0
     """Seconds one request may take."""
     max_attempts: int = 5
-    """Tries per request when the server does not answer (connection error, 5xx)."""
+    """Tries per request while a server does not answer (connection error, timeout, 408/429, 5xx)."""
     backoff_s: float = 1.0
     """Wait before the second try; doubled for each further one."""
     progress: bool = True

@@ -55,6 +55,7 @@ from dflash.precompute.pipeline import RankRun, RankStats, compute, prepare, rea
 from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.shards.files import write_atomic
+from dflash.shards.options import NONE_WORD
 from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
 
@@ -66,40 +67,39 @@ class PrecomputeConfig:
     target: Path
     """Hugging Face causal-LM directory."""
     data: list[Path]
-    """Input files or `datasets` directories, read in this order."""
+    """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
     out: Path
-    """The cache directory to write."""
+    """Cache directory to write."""
     top_k: int = 32
     """Next-token candidates cached per position."""
-    feature_layers: list[int] | None = None
-    """Decoder-layer ids to cache; None applies the DFlash rule with num_feature_layers."""
+    feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto"})
+    """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick num_feature_layers."""
     num_feature_layers: int = 5
-    """How many layers the DFlash rule picks when feature_layers is None."""
+    """Layers the DFlash rule picks when feature_layers is auto."""
     feature_codec: str = "bf16"
-    """Feature storage: "bf16", "fp8", or coefficients in a basis fitted here: "basis-bf16", "basis-fp8"."""
+    """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens: basis-bf16, basis-fp8."""
     feature_rank: int | None = None
     """Basis codecs: coefficients per token (default: the target's hidden size H)."""
     basis_sample_tokens: int = 65536
-    """Basis codecs: the basis is fitted on the first records (in input order) holding about
-    this many tokens, prompts and replies, before any row is written."""
+    """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted on before any row is written."""
     topk_codec: str = "packed"
-    """Top-k storage: "packed" (about 1e-3 nat) or "raw" (lossless)."""
+    """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
     max_length: int = 3072
     """Longer renderings are cut to this many tokens (and counted)."""
     batch_tokens: int = 16384
     """Padded tokens per forward batch (count x longest)."""
     device: str = "auto"
-    """"auto", "cpu" or "cuda" (one GPU per process, by local rank)."""
+    """auto, cpu or cuda (one GPU per process, by local rank)."""
     dtype: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float16" or "float32"."""
+    """auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32."""
     limit: int | None = None
     """Read at most this many records in total (all inputs together)."""
     regenerate: bool = False
-    """Replace the assistant replies by the target's own."""
+    """Replace the assistant replies by the target's own (prompt-only records get one)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Arguments for the chat template (e.g. {"enable_thinking": False}); kept in the manifest."""
+    """JSON object passed to the chat template, e.g. '{"enable_thinking": false}'; kept in the manifest."""
     chat_template: Path | None = None
-    """A Jinja chat template file used instead of the tokenizer's; its text is kept in the manifest."""
+    """Jinja chat template file to use instead of the tokenizer's; its text is kept in the manifest."""
     max_new_tokens: int = 512
     """Longest regenerated reply, in tokens."""
     temperature: float = 0.0
@@ -111,7 +111,7 @@ class PrecomputeConfig:
     strict: bool = False
     """Make the first rejected record an error."""
     overwrite: bool = False
-    """Delete an existing cache at `out` first."""
+    """Replace an existing cache at --out (only a directory that is a dflash cache)."""
     trust_remote_code: bool = False
     """Let transformers run the target repository's own code."""
     shard_max_rows: int = 1024
@@ -119,7 +119,7 @@ class PrecomputeConfig:
     dist_timeout_s: float = 6 * 3600.0
     """How long a rank waits for the others at a collective before it fails."""
     progress: bool = True
-    """Show a progress bar on rank 0 (stderr)."""
+    """Progress bar on stderr (rank 0)."""
 
     def __post_init__(self) -> None:
         self.target, self.out = Path(self.target), Path(self.out)
