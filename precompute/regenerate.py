@@ -435,14 +435,7 @@ async def _run(config: RegenerateConfig) -> RegenerateSummary:
 
     start = time.perf_counter()
     servers = [_Server(url, config.timeout_s) for url in config.servers]
-    listed = [await s.models() for s in servers]
-    model = config.model or (listed[0][0] if listed[0] else None)
-    if model is None:
-        raise ValueError(f"--server {servers[0].url} lists no model; pass --model")
-    for server, names in zip(servers, listed):
-        if names and model not in names:
-            tqdm.write(f"[dflash-regenerate] warning: {server.url} lists {names}, not --model {model!r}",
-                       file=sys.stderr)
+    model = await _pick_model(config, servers)
     total = None
     if config.progress:
         total = sum(1 for _ in iter_records(config.data, config.limit))
@@ -519,6 +512,22 @@ async def _run(config: RegenerateConfig) -> RegenerateSummary:
     summary.rejected = dict(output.rejected)
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+async def _pick_model(config: RegenerateConfig, servers: list[_Server]) -> str:
+    """--model, or the first model the first server lists (ValueError when it lists none); a
+    server that does not list it is warned about. A server that does not answer is an error."""
+    from tqdm import tqdm
+
+    listed = [await s.models() for s in servers]
+    model = config.model or (listed[0][0] if listed[0] else None)
+    if model is None:
+        raise ValueError(f"--server {servers[0].url} lists no model; pass --model")
+    for server, names in zip(servers, listed):
+        if names and model not in names:
+            tqdm.write(f"[dflash-regenerate] warning: {server.url} lists {names}, not --model {model!r}",
+                       file=sys.stderr)
+    return model
 
 
 async def _first_failure(tasks: set[asyncio.Task], when: str) -> None:

@@ -1,8 +1,10 @@
-"""Stage one's main loop and its distributed orchestration: `run_precompute(config)`.
+"""Stage one's config, setup and per-rank run, and its distributed orchestration:
+`run_precompute(config)`.
 
 One process per device (spawned here with `nproc`, or started by `torchrun`), each running
 the same steps, with a collective check after each step so that one rank's failure becomes
-an error on every rank instead of a hang:
+an error on every rank instead of a hang (`_Group.step` gathers small results, `_Group.local`
+keeps big ones in the process):
 
 1. rank 0: `--overwrite` clears the output; a finished cache of the same configuration is
    reported and left untouched.
@@ -11,25 +13,30 @@ an error on every rank instead of a hang:
    the ranks exchange what their complete shards already hold (resume).
 3. rank 0 writes CACHE/target/. Every rank reads all inputs and tokenizes every
    world_size-th record (rejecting the bad ones it meets); the ranks exchange lengths, and
-   each computes the same token-balanced assignment and length-sorted batches (plan.py).
-4. every rank runs its batches: optional regeneration, the target forward, `writer.add`.
-   Batches whose records are all in complete shards are skipped; a partly done batch is
-   recomputed whole, so a resumed run writes exactly what an uninterrupted one would.
-5. rank 0 finalizes the cache (manifest.json last) and returns the summary.
+   each computes the same token-balanced assignment (plan.py). Steps 2-3 build this rank's
+   `pipeline.RankRun`.
+4. basis codecs: the basis fit (basis.py) over the sample, through the per-record pipeline;
+   its rows are kept for step 5.
+5. every rank runs its batches through the pipeline (pipeline.py: regeneration, the target
+   forward, `writer.add`). Batches whose records are all in complete shards are skipped; a
+   partly done batch is recomputed whole, so a resumed run writes exactly what an
+   uninterrupted one would.
+6. rank 0 finalizes the cache (manifest.json last) and returns the summary.
 
 Control traffic goes through gloo even on GPUs: stage one exchanges only a few Python
 objects, and gloo keeps every collective off the devices that run the target.
 
-Regeneration (`regenerate=True`) replaces every assistant turn of a conversation by the
-target's own reply, turn by turn: turn i is generated from the conversation up to it with
-turns before i already regenerated (the user turns stay as they were). Replies stop at an
+Regeneration (`regenerate=True`, pipeline.py) replaces every assistant turn of a
+conversation by the target's own reply, turn by turn: turn i is generated from the
+conversation up to it with turns before i already regenerated (the user turns stay as they
+were); a prompt-only record gets one reply after its last user turn. Replies stop at an
 end-of-sequence token or `max_new_tokens`; they are decoded without special tokens and put
 back into the conversation, which is then rendered and masked like any other, except that
 a reply cut at `max_new_tokens` keeps the template's end-of-turn token out of the loss mask
 (the target did not write it there), so the mask holds exactly the tokens the target
-generated. `text`
-records have no turns and are cached as they are. Rank balancing uses the original replies'
-lengths as the estimate of the regenerated ones.
+generated. `text` records have no turns and are cached as they are. Rank balancing uses the
+original replies' lengths as the estimate of the regenerated ones (a prompt's length plus
+`max_new_tokens` for a prompt-only record).
 """
 
 from __future__ import annotations
