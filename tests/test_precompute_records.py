@@ -1,11 +1,16 @@
 """Stage one's record contract and single-pass basis fit: prompt-only records are taken with
 --regenerate (one reply generated, as dflash-regenerate does) and refused without it with a
 reason that says so; an all-rejected input gives the same error whatever the feature codec;
-with a basis codec every record goes through the target forward exactly once."""
+with a basis codec every record goes through the target forward exactly once, and a killed
+regenerating run resumes to the same shards."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -15,7 +20,7 @@ from dflash.precompute.pipeline import NO_REPLY
 from dflash.precompute.run import run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache
-from tests.builders import RECORDS, build_target, precompute_config as config, write_jsonl
+from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config as config, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,3 +80,20 @@ def test_basis_fit_runs_each_record_through_the_target_once(target, tmp_path, mo
     assert 100 < cache.load_feature_basis().num_tokens < cache.num_tokens  # a sample of several records
     assert summary.num_sequences == len(RECORDS) == len(calls)
     assert set(calls.values()) == {1}
+
+
+def test_regenerated_basis_run_killed_then_resumed_writes_the_same_shards(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", RECORDS)
+    settings = dict(regenerate=True, max_new_tokens=6, **BASIS)
+    run_precompute(config(target, data, tmp_path / "whole", **settings))
+    options = dataclasses.asdict(config(target, data, tmp_path / "cache", **settings))
+    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
+    options["data"] = [str(p) for p in options["data"]]
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "3"], env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run_precompute(config(target, data, tmp_path / "cache", **settings))
+    assert resumed.resumed_sequences >= 2  # the first shard survived the kill
+    whole, cache = open_cache(tmp_path / "whole"), open_cache(tmp_path / "cache")
+    assert cache.feature_basis_sha256 == whole.feature_basis_sha256
+    assert [s["sha256"] for s in cache.manifest["shards"]] == [s["sha256"] for s in whole.manifest["shards"]]
