@@ -121,7 +121,7 @@ class RankRun:
 
 # ----------------------------------------------------------------------------- prepare
 
-def prepare(config: PrecomputeConfig, encoder: ChatEncoder, position: int, record: InputRecord) -> Item:
+def prepare(config: PrecomputeConfig, encoder: ChatEncoder, *, position: int, record: InputRecord) -> Item:
     """The record as an Item; RecordError with the reason when it cannot be used."""
     if record.error is not None:
         raise RecordError(record.error)
@@ -131,14 +131,14 @@ def prepare(config: PrecomputeConfig, encoder: ChatEncoder, position: int, recor
     elif not any(m["role"] == "assistant" for m in conversation):
         if not config.regenerate:
             raise RecordError(NO_REPLY)
-        return _prompt_only(config, encoder, position, record, conversation)
+        return _prompt_only(config, encoder, position=position, record=record, messages=conversation)
     else:
         encoded = encoder.encode(conversation, cut_turns=cut_assistant_turns(record.data, conversation))
     return Item(position=position, source=record.source, conversation=conversation, encoded=encoded,
                 num_tokens=len(encoded.input_ids))
 
 
-def _prompt_only(config: PrecomputeConfig, encoder: ChatEncoder, position: int, record: InputRecord,
+def _prompt_only(config: PrecomputeConfig, encoder: ChatEncoder, *, position: int, record: InputRecord,
                  messages: list[dict[str, str]]) -> Item:
     """A prompt (no assistant turn) as dflash-regenerate takes it: one reply to generate after
     its last user turn."""
@@ -153,12 +153,12 @@ def _prompt_only(config: PrecomputeConfig, encoder: ChatEncoder, position: int, 
 
 def read_items(run: RankRun, positions: set[int]) -> list[Item]:
     """The records at `positions` (good ones: the input scan rejected the others), in input order."""
-    return [prepare(run.config, run.encoder, position, record)
+    return [prepare(run.config, run.encoder, position=position, record=record)
             for position, record in enumerate(iter_records(run.config.data, run.config.limit))
             if position in positions]
 
 
-def reject(config: PrecomputeConfig, writer: CacheWriter, source: dict[str, Any], reason: str) -> None:
+def reject(config: PrecomputeConfig, writer: CacheWriter, *, source: dict[str, Any], reason: str) -> None:
     """List a record in rejected.jsonl with `reason` (with --strict: stop with it)."""
     if config.strict:
         raise ValueError(f"{source['file']} record {source['index']}: {reason} (--strict)")
@@ -307,7 +307,7 @@ def regenerate(run: RankRun, members: list[Item]) -> list[Item]:
                for c in conversations],
         cut=[set() for _ in members], dropped=set())
     for round_ in range(max((len(t) for t in replies.turns), default=0)):
-        _generate_turn(run, replies, round_, _turn_prompts(run, replies, round_))
+        _generate_turn(run, replies, round_=round_, prompts=_turn_prompts(run, replies, round_))
     regenerated = []
     for j, item in enumerate(members):
         if j in replies.dropped:
@@ -325,7 +325,7 @@ def regenerate(run: RankRun, members: list[Item]) -> list[Item]:
 def _drop(run: RankRun, replies: _Replies, j: int, reason: str) -> None:
     replies.dropped.add(j)
     if replies.members[j].key not in run.done:
-        reject(run.config, run.writer, replies.members[j].source, reason)
+        reject(run.config, run.writer, source=replies.members[j].source, reason=reason)
 
 
 def _turn_prompts(run: RankRun, replies: _Replies, round_: int) -> dict[int, list[int]]:
@@ -348,7 +348,7 @@ def _turn_prompts(run: RankRun, replies: _Replies, round_: int) -> dict[int, lis
     return prompts
 
 
-def _generate_turn(run: RankRun, replies: _Replies, round_: int, prompts: dict[int, list[int]]) -> None:
+def _generate_turn(run: RankRun, replies: _Replies, *, round_: int, prompts: dict[int, list[int]]) -> None:
     """Generate assistant turn `round_` of the conversations in `prompts`, in batches."""
     config, target = run.config, run.target
     order = list(prompts)

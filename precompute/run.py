@@ -80,15 +80,18 @@ class PrecomputeConfig:
     top_k: int = 32
     """Next-token candidates cached per position."""
     feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto"})
-    """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick num_feature_layers."""
+    """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick
+    num_feature_layers."""
     num_feature_layers: int = 5
     """Layers the DFlash rule picks when feature_layers is auto."""
     feature_codec: str = "bf16"
-    """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens: basis-bf16, basis-fp8."""
+    """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens:
+    basis-bf16, basis-fp8."""
     feature_rank: int | None = None
     """Basis codecs: coefficients per token (default: the target's hidden size H)."""
     basis_sample_tokens: int = 65536
-    """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted on before any row is written."""
+    """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted
+    on before any row is written."""
     topk_codec: str = "packed"
     """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
     max_length: int = 3072
@@ -402,13 +405,16 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
     start = time.perf_counter()
     rank, world_size = group.rank, group.world_size
     log = _logger(rank, config.progress)
-    target, spec, finished = group.local("loading the target", lambda: _load(config, rank, world_size, local_rank))
+    target, spec, finished = group.local("loading the target",
+                                        lambda: _load(config, rank=rank, world_size=world_size, local_rank=local_rank))
     if any(group.step("looking for a finished cache", lambda: finished)):
         log(f"{config.out} is already complete for this configuration; nothing to do")
-        return _summary(config, open_cache(config.out), [RankStats()], start, world_size, already_complete=True)
+        return _summary(config, open_cache(config.out), gathered=[RankStats()], start=start,
+                        world_size=world_size, already_complete=True)
     log(f"target {config.target} on {target.device} ({target.dtype}), layers {target.layer_ids}, "
         f"{world_size} rank(s)")
-    writer = group.local("opening the cache", lambda: _open_writer(config, spec, target, rank, world_size))
+    writer = group.local("opening the cache",
+                         lambda: _open_writer(config, spec, target=target, rank=rank, world_size=world_size))
     try:
         done = _expand(group.step("exchanging the records done", lambda: _compact(writer.done_sources)))
         if done:
@@ -427,10 +433,10 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
             finalize_cache(config.out, spec, world_size)
 
     group.step("writing the manifest", finalize)
-    return _summary(config, open_cache(config.out), gathered, start, world_size)
+    return _summary(config, open_cache(config.out), gathered=gathered, start=start, world_size=world_size)
 
 
-def _load(config: PrecomputeConfig, rank: int, world_size: int, local_rank: int) -> tuple[Any, CacheSpec, bool]:
+def _load(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: int) -> tuple[Any, CacheSpec, bool]:
     """The target (checked first), the cache spec, and (rank 0) whether `out` already holds
     this cache finished."""
     from dflash.precompute.target import Target, resolve_device, resolve_dtype
@@ -449,7 +455,7 @@ def _load(config: PrecomputeConfig, rank: int, world_size: int, local_rank: int)
     return target, spec, _finished_cache(config, spec)
 
 
-def _open_writer(config: PrecomputeConfig, spec: CacheSpec, target: Any, rank: int, world_size: int) -> CacheWriter:
+def _open_writer(config: PrecomputeConfig, spec: CacheSpec, *, target: Any, rank: int, world_size: int) -> CacheWriter:
     try:
         # On a GPU, encoding and disk writes overlap the next batch's forward; on CPU a
         # writer thread would only compete with the forward for the same cores.
@@ -471,18 +477,20 @@ def _scan(config: PrecomputeConfig, group: _Group, *, target: Any, writer: Cache
     def scan() -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
         if rank == 0:
             target.write_target_dir(config.out / "target")
-        return _scan_stride(config, encoder, writer, done, stats, rank, world_size)
+        return _scan_stride(config, encoder=encoder, writer=writer, done=done, stats=stats, rank=rank,
+                            world_size=world_size)
 
     scanned = group.step("reading the inputs", scan)
     lengths = sorted(item for part, _ in scanned for item in part)
     if not lengths and writer.spec.is_basis:
-        _refuse_all_rejected(config, rank, [r for _, part in scanned for r in part])
+        _refuse_all_rejected(config, rank=rank, rejects=[r for _, part in scanned for r in part])
     mine = {lengths[j][0] for j in assign_ranks([n for _, n in lengths], world_size)[rank]}
     return RankRun(config=config, group=group, target=target, encoder=encoder, writer=writer, done=done,
                    stats=stats, log=log, lengths=lengths, mine=mine)
 
 
-def _scan_stride(config, encoder, writer, done, stats, rank, world_size):
+def _scan_stride(config: PrecomputeConfig, *, encoder: ChatEncoder, writer: CacheWriter, done: set[tuple[str, int]],
+                 stats: RankStats, rank: int, world_size: int) -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
     """Tokenize every world_size-th record (this rank's share of the length scan) and reject
     the bad ones; returns [(position, tokens)] of the good ones and the rejects made."""
     lengths, rejects = [], []
@@ -490,17 +498,17 @@ def _scan_stride(config, encoder, writer, done, stats, rank, world_size):
         if position % world_size != rank:
             continue
         try:
-            lengths.append((position, prepare(config, encoder, position, record).num_tokens))
+            lengths.append((position, prepare(config, encoder, position=position, record=record).num_tokens))
         except RecordError as error:
             if (record.file, record.index) in done:
                 stats.resumed += 1
             else:
-                reject(config, writer, record.source, str(error))
+                reject(config, writer, source=record.source, reason=str(error))
                 rejects.append({**record.source, "reason": str(error)})
     return lengths, rejects
 
 
-def _refuse_all_rejected(config: PrecomputeConfig, rank: int, rejects: list[dict[str, Any]]) -> None:
+def _refuse_all_rejected(config: PrecomputeConfig, *, rank: int, rejects: list[dict[str, Any]]) -> None:
     """Every record was rejected and a basis codec has nothing to fit on: rank 0 writes the
     reasons to CACHE/rejected.jsonl (nothing is committed, a rerun scans again) and every
     rank raises the error the raw codecs give once their empty cache is finalized."""
@@ -594,7 +602,7 @@ def _expand(gathered: list[dict[str, np.ndarray]]) -> set[tuple[str, int]]:
     return {(file, int(i)) for part in gathered for file, ix in part.items() for i in ix}
 
 
-def _summary(config: PrecomputeConfig, cache: Any, gathered: list[RankStats], start: float,
+def _summary(config: PrecomputeConfig, cache: Any, *, gathered: list[RankStats], start: float,
              world_size: int, already_complete: bool = False) -> PrecomputeSummary:
     manifest = cache.manifest
     num_tokens = max(1, manifest["num_tokens"])
