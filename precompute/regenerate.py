@@ -63,13 +63,13 @@ class RegenerateConfig:
     """Everything `dflash-regenerate` does, as one validated value."""
 
     data: list[Path]
-    """Input files (as stage one reads them), read in this order."""
+    """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
     out: Path
-    """Output JSONL (`.jsonl`, or `.jsonl.zst` for a compressed one)."""
+    """Output .jsonl or .jsonl.zst (compressed when the run finishes); rerun the same command to resume."""
     servers: list[str]
-    """Base URLs of OpenAI-compatible servers, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."""
+    """OpenAI-compatible server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); repeat for several."""
     model: str | None = None
-    """Model name sent with each request; None: the first one the first server lists."""
+    """Model name sent with each request (default: the first one the first server lists)."""
     max_new_tokens: int = 512
     """Longest reply, in tokens."""
     temperature: float = 0.0
@@ -79,9 +79,9 @@ class RegenerateConfig:
     seed: int = 0
     """Run seed; each request's seed is derived from it, the record and the turn."""
     concurrency: int = 8
-    """Records in flight at once, over all servers."""
+    """Records in flight at once, over all servers (raise it until the servers' batches are full)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Sent as `chat_template_kwargs` with every request (e.g. {"enable_thinking": false})."""
+    """JSON object sent as `chat_template_kwargs` with every request, e.g. '{"enable_thinking": false}'."""
     chat_template: Path | None = None
     """A Jinja chat template file, sent as the `chat_template` request field (vLLM accepts it;
     SGLang and transformers serve take a template at launch and refuse the field)."""
@@ -90,7 +90,7 @@ class RegenerateConfig:
     timeout_s: float = 600.0
     """Seconds one request may take."""
     max_attempts: int = 5
-    """Tries per request when the server does not answer (connection error, 5xx)."""
+    """Tries per request while a server does not answer (connection error, timeout, 408/429, 5xx)."""
     backoff_s: float = 1.0
     """Wait before the second try; doubled for each further one."""
     progress: bool = True
@@ -435,14 +435,7 @@ async def _run(config: RegenerateConfig) -> RegenerateSummary:
 
     start = time.perf_counter()
     servers = [_Server(url, config.timeout_s) for url in config.servers]
-    listed = [await s.models() for s in servers]
-    model = config.model or (listed[0][0] if listed[0] else None)
-    if model is None:
-        raise ValueError(f"--server {servers[0].url} lists no model; pass --model")
-    for server, names in zip(servers, listed):
-        if names and model not in names:
-            tqdm.write(f"[dflash-regenerate] warning: {server.url} lists {names}, not --model {model!r}",
-                       file=sys.stderr)
+    model = await _pick_model(config, servers)
     total = None
     if config.progress:
         total = sum(1 for _ in iter_records(config.data, config.limit))
@@ -519,6 +512,22 @@ async def _run(config: RegenerateConfig) -> RegenerateSummary:
     summary.rejected = dict(output.rejected)
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+async def _pick_model(config: RegenerateConfig, servers: list[_Server]) -> str:
+    """--model, or the first model the first server lists (ValueError when it lists none); a
+    server that does not list it is warned about. A server that does not answer is an error."""
+    from tqdm import tqdm
+
+    listed = [await s.models() for s in servers]
+    model = config.model or (listed[0][0] if listed[0] else None)
+    if model is None:
+        raise ValueError(f"--server {servers[0].url} lists no model; pass --model")
+    for server, names in zip(servers, listed):
+        if names and model not in names:
+            tqdm.write(f"[dflash-regenerate] warning: {server.url} lists {names}, not --model {model!r}",
+                       file=sys.stderr)
+    return model
 
 
 async def _first_failure(tasks: set[asyncio.Task], when: str) -> None:

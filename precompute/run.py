@@ -1,8 +1,10 @@
-"""Stage one's main loop and its distributed orchestration: `run_precompute(config)`.
+"""Stage one's config, setup and per-rank run, and its distributed orchestration:
+`run_precompute(config)`.
 
 One process per device (spawned here with `nproc`, or started by `torchrun`), each running
 the same steps, with a collective check after each step so that one rank's failure becomes
-an error on every rank instead of a hang:
+an error on every rank instead of a hang (`_Group.step` gathers small results, `_Group.local`
+keeps big ones in the process):
 
 1. rank 0: `--overwrite` clears the output; a finished cache of the same configuration is
    reported and left untouched.
@@ -11,32 +13,36 @@ an error on every rank instead of a hang:
    the ranks exchange what their complete shards already hold (resume).
 3. rank 0 writes CACHE/target/. Every rank reads all inputs and tokenizes every
    world_size-th record (rejecting the bad ones it meets); the ranks exchange lengths, and
-   each computes the same token-balanced assignment and length-sorted batches (plan.py).
-4. every rank runs its batches: optional regeneration, the target forward, `writer.add`.
-   Batches whose records are all in complete shards are skipped; a partly done batch is
-   recomputed whole, so a resumed run writes exactly what an uninterrupted one would.
-5. rank 0 finalizes the cache (manifest.json last) and returns the summary.
+   each computes the same token-balanced assignment (plan.py). Steps 2-3 build this rank's
+   `pipeline.RankRun`.
+4. basis codecs: the basis fit (basis.py) over the sample, through the per-record pipeline;
+   its rows are kept for step 5.
+5. every rank runs its batches through the pipeline (pipeline.py: regeneration, the target
+   forward, `writer.add`). Batches whose records are all in complete shards are skipped; a
+   partly done batch is recomputed whole, so a resumed run writes exactly what an
+   uninterrupted one would.
+6. rank 0 finalizes the cache (manifest.json last) and returns the summary.
 
 Control traffic goes through gloo even on GPUs: stage one exchanges only a few Python
 objects, and gloo keeps every collective off the devices that run the target.
 
-Regeneration (`regenerate=True`) replaces every assistant turn of a conversation by the
-target's own reply, turn by turn: turn i is generated from the conversation up to it with
-turns before i already regenerated (the user turns stay as they were). Replies stop at an
+Regeneration (`regenerate=True`, pipeline.py) replaces every assistant turn of a
+conversation by the target's own reply, turn by turn: turn i is generated from the
+conversation up to it with turns before i already regenerated (the user turns stay as they
+were); a prompt-only record gets one reply after its last user turn. Replies stop at an
 end-of-sequence token or `max_new_tokens`; they are decoded without special tokens and put
 back into the conversation, which is then rendered and masked like any other, except that
 a reply cut at `max_new_tokens` keeps the template's end-of-turn token out of the loss mask
 (the target did not write it there), so the mask holds exactly the tokens the target
-generated. `text`
-records have no turns and are cached as they are. Rank balancing uses the original replies'
-lengths as the estimate of the regenerated ones.
+generated. `text` records have no turns and are cached as they are. Rank balancing uses the
+original replies' lengths as the estimate of the regenerated ones (a prompt's length plus
+`max_new_tokens` for a prompt-only record).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -50,10 +56,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash.precompute.data import ChatEncoder, Encoded
-from dflash.precompute.plan import assign_ranks, plan_batches
+from dflash.precompute.basis import fit_or_load_basis
+from dflash.precompute.data import ChatEncoder
+from dflash.precompute.pipeline import RankRun, RankStats, compute, prepare, read_items, reject
+from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
-from dflash.shards.records import RecordError, cut_assistant_turns, input_sha256, iter_records, normalize_record
+from dflash.shards.files import write_atomic
+from dflash.shards.options import NONE_WORD
+from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
 
 
@@ -64,40 +74,42 @@ class PrecomputeConfig:
     target: Path
     """Hugging Face causal-LM directory."""
     data: list[Path]
-    """Input files or `datasets` directories, read in this order."""
+    """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
     out: Path
-    """The cache directory to write."""
+    """Cache directory to write."""
     top_k: int = 32
     """Next-token candidates cached per position."""
-    feature_layers: list[int] | None = None
-    """Decoder-layer ids to cache; None applies the DFlash rule with num_feature_layers."""
+    feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto"})
+    """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick
+    num_feature_layers."""
     num_feature_layers: int = 5
-    """How many layers the DFlash rule picks when feature_layers is None."""
+    """Layers the DFlash rule picks when feature_layers is auto."""
     feature_codec: str = "bf16"
-    """Feature storage: "bf16", "fp8", or coefficients in a basis fitted here: "basis-bf16", "basis-fp8"."""
+    """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens:
+    basis-bf16, basis-fp8."""
     feature_rank: int | None = None
     """Basis codecs: coefficients per token (default: the target's hidden size H)."""
     basis_sample_tokens: int = 65536
-    """Basis codecs: the basis is fitted on the first records (in input order) holding about
-    this many tokens, prompts and replies, before any row is written."""
+    """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted
+    on before any row is written."""
     topk_codec: str = "packed"
-    """Top-k storage: "packed" (about 1e-3 nat) or "raw" (lossless)."""
+    """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
     max_length: int = 3072
     """Longer renderings are cut to this many tokens (and counted)."""
     batch_tokens: int = 16384
     """Padded tokens per forward batch (count x longest)."""
     device: str = "auto"
-    """"auto", "cpu" or "cuda" (one GPU per process, by local rank)."""
+    """auto, cpu or cuda (one GPU per process, by local rank)."""
     dtype: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float16" or "float32"."""
+    """auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32."""
     limit: int | None = None
     """Read at most this many records in total (all inputs together)."""
     regenerate: bool = False
-    """Replace the assistant replies by the target's own."""
+    """Replace the assistant replies by the target's own (prompt-only records get one)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Arguments for the chat template (e.g. {"enable_thinking": False}); kept in the manifest."""
+    """JSON object passed to the chat template, e.g. '{"enable_thinking": false}'; kept in the manifest."""
     chat_template: Path | None = None
-    """A Jinja chat template file used instead of the tokenizer's; its text is kept in the manifest."""
+    """Jinja chat template file to use instead of the tokenizer's; its text is kept in the manifest."""
     max_new_tokens: int = 512
     """Longest regenerated reply, in tokens."""
     temperature: float = 0.0
@@ -109,7 +121,7 @@ class PrecomputeConfig:
     strict: bool = False
     """Make the first rejected record an error."""
     overwrite: bool = False
-    """Delete an existing cache at `out` first."""
+    """Replace an existing cache at --out (only a directory that is a dflash cache)."""
     trust_remote_code: bool = False
     """Let transformers run the target repository's own code."""
     shard_max_rows: int = 1024
@@ -117,7 +129,7 @@ class PrecomputeConfig:
     dist_timeout_s: float = 6 * 3600.0
     """How long a rank waits for the others at a collective before it fails."""
     progress: bool = True
-    """Show a progress bar on rank 0 (stderr)."""
+    """Progress bar on stderr (rank 0)."""
 
     def __post_init__(self) -> None:
         self.target, self.out = Path(self.target), Path(self.out)
@@ -230,35 +242,6 @@ class PrecomputeSummary:
         return "\n".join(lines)
 
 
-@dataclass
-class _RankStats:
-    written_sequences: int = 0
-    written_tokens: int = 0
-    resumed: int = 0
-    truncated: int = 0
-    regenerated_replies: int = 0
-    cut_replies: int = 0
-    forward_s: float = 0.0
-    generate_s: float = 0.0
-
-
-@dataclass
-class _Item:
-    """One record assigned to this rank."""
-
-    source: dict[str, Any]
-    conversation: list[dict[str, str]] | str
-    encoded: Encoded
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.source["file"], self.source["index"]
-
-    @property
-    def name(self) -> str:
-        return f"{self.source['file']} record {self.source['index']}"
-
-
 # ----------------------------------------------------------------------------- entry
 
 def run_precompute(config: PrecomputeConfig) -> PrecomputeSummary:
@@ -283,16 +266,22 @@ def run_precompute(config: PrecomputeConfig) -> PrecomputeSummary:
 
 def _check_not_empty(config: PrecomputeConfig, summary: PrecomputeSummary) -> None:
     """A cache without a sequence is a failure, not a result (fit would have nothing to read)."""
-    if summary.num_sequences:
-        return
-    num_rejected = sum(summary.rejected.values())
+    if not summary.num_sequences:
+        raise _empty_error(config, Counter(summary.rejected))
+
+
+def _empty_error(config: PrecomputeConfig, rejected: Counter[str]) -> ValueError:
+    """The one-line error of a run that wrote no sequence, whatever the feature codec."""
+    num_rejected = sum(rejected.values())
     where = ", ".join(str(p) for p in config.data)
     if not num_rejected:
-        raise ValueError(f"no record was read from --data {where}: the input is empty (or --limit cut "
-                         f"everything); give a file with chat records")
-    reasons = "; ".join(f"{n} {reason}" for reason, n in sorted(summary.rejected.items(), key=lambda kv: -kv[1])[:3])
-    raise ValueError(f"no sequence was written: {num_rejected} record(s) read from --data {where}, all rejected "
-                     f"({reasons}); each record's reason is in {config.out / 'rejected.jsonl'}")
+        return ValueError(f"no record was read from --data {where}: the input is empty (or --limit cut "
+                          f"everything); give a file with chat records")
+    top = sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    reasons = "; ".join(f"{n} x {reason}" for reason, n in top)
+    return ValueError(f"no sequence was written: {num_rejected} record{'s' if num_rejected != 1 else ''} read "
+                      f"from --data {where}, all rejected ({reasons}); each record's reason is in "
+                      f"{config.out / 'rejected.jsonl'}")
 
 
 def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:
@@ -350,8 +339,17 @@ class _Group:
                                     timeout=datetime.timedelta(seconds=timeout_s))
 
     def step(self, what: str, fn: Callable[[], Any]) -> list[Any]:
-        """Run `fn` here, then gather every rank's result. If any rank raised, every rank
-        raises: the failing rank its own exception, the others a ValueError naming it."""
+        """Run `fn` here, then gather every rank's result (keep it small: it is pickled). If any
+        rank raised, every rank raises: the failing rank its own exception, the others a
+        ValueError naming it."""
+        return self._run(what, fn, share=True)[1]
+
+    def local(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` here and check that every rank succeeded, as `step`; returns this rank's
+        result, which never leaves the process (a model, a writer, kept rows)."""
+        return self._run(what, fn, share=False)[0]
+
+    def _run(self, what: str, fn: Callable[[], Any], *, share: bool) -> tuple[Any, list[Any]]:
         error: BaseException | None = None
         result = None
         try:
@@ -361,18 +359,18 @@ class _Group:
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return [result]
+            return result, [result]
         import torch.distributed as dist
 
         report = None if error is None else f"{type(error).__name__}: {error}"
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (report, None if error else result))
+        dist.all_gather_object(gathered, (report, result if share and error is None else None))
         if error is not None:
             raise error
         for rank, (failure, _) in enumerate(gathered):
             if failure is not None:
                 raise ValueError(f"rank {rank} failed while {what}: {failure}")
-        return [payload for _, payload in gathered]
+        return result, [payload for _, payload in gathered]
 
     def close(self, *, together: bool) -> None:
         """together (every rank finished): leave at a barrier first. Rank 0 hosts the
@@ -402,70 +400,30 @@ def _worker_main(config: PrecomputeConfig, *, rank: int, world_size: int, local_
 
 
 def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> PrecomputeSummary:
-    from dflash.precompute.target import Target, resolve_device, resolve_dtype
-
+    """Stage one on this rank: the setup steps build a `RankRun`, then the basis fit (basis
+    codecs) and the main pass run through the pipeline."""
     start = time.perf_counter()
     rank, world_size = group.rank, group.world_size
     log = _logger(rank, config.progress)
-    # Big objects stay in this process; steps return only small, picklable results.
-    local: dict[str, Any] = {}
-
-    def setup() -> bool:
-        if rank == 0:
-            _check_out_dir(config)
-        device = resolve_device(config.device, local_rank)
-        dtype = resolve_dtype(config.dtype, device)
-        local["target"] = Target(config.target, layer_ids=config.feature_layers,
-                                 num_feature_layers=config.num_feature_layers, top_k=config.top_k,
-                                 device=device, dtype=dtype, trust_remote_code=config.trust_remote_code)
-        local["spec"] = _build_spec(config, local["target"], world_size)
-        if rank != 0:
-            return False
-        if config.overwrite and config.out.exists():  # only once the target and inputs checked out
-            shutil.rmtree(config.out)
-        return _finished_cache(config, local["spec"])
-
-    if any(group.step("loading the target", setup)):
+    target, spec, finished = group.local("loading the target",
+                                        lambda: _load(config, rank=rank, world_size=world_size, local_rank=local_rank))
+    if any(group.step("looking for a finished cache", lambda: finished)):
         log(f"{config.out} is already complete for this configuration; nothing to do")
-        return _summary(config, open_cache(config.out), [_RankStats()], start, world_size,
-                        already_complete=True)
-    target, spec = local["target"], local["spec"]
+        return _summary(config, open_cache(config.out), gathered=[RankStats()], start=start,
+                        world_size=world_size, already_complete=True)
     log(f"target {config.target} on {target.device} ({target.dtype}), layers {target.layer_ids}, "
         f"{world_size} rank(s)")
-
-    def open_writer() -> dict[str, np.ndarray]:
-        try:
-            # On a GPU, encoding and disk writes overlap the next batch's forward; on CPU a
-            # writer thread would only compete with the forward for the same cores.
-            local["writer"] = CacheWriter(config.out, spec, rank=rank, world_size=world_size,
-                                          background=target.device.type == "cuda")
-        except ValueError as error:
-            raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
-        return _compact(local["writer"].done_sources)
-
-    done = _expand(group.step("opening the cache", open_writer))
-    writer: CacheWriter = local["writer"]
-    stats = _RankStats()
+    writer = group.local("opening the cache",
+                         lambda: _open_writer(config, spec, target=target, rank=rank, world_size=world_size))
     try:
+        done = _expand(group.step("exchanging the records done", lambda: _compact(writer.done_sources)))
         if done:
             log(f"resuming: {len(done):,} records already in complete shards")
-        encoder = ChatEncoder(target.tokenizer, config.max_length, chat_template=_template_text(config),
-                              chat_template_kwargs=config.chat_template_kwargs)
-
-        def scan() -> list[tuple[int, int]]:
-            if rank == 0:
-                target.write_target_dir(config.out / "target")
-            return _prepare_stride(config, encoder, writer, done, stats, rank, world_size)
-
-        lengths = _merge_lengths(group.step("reading the inputs", scan))
-        mine = {lengths[j][0] for j in assign_ranks([n for _, n in lengths], world_size)[rank]}
-        sampled: dict[tuple[str, int], Any] = {}
-        if spec.is_basis:
-            from dflash.precompute.basis import fit_or_load_basis
-
-            fit_or_load_basis(config, group, target, encoder, writer, done, mine, lengths, stats, sampled, log)
-        group.step("computing", lambda: _compute(config, target, encoder, writer, done, mine, stats, sampled))
-        gathered = group.step("closing the shards", lambda: (writer.close(), stats)[1])
+        run = _scan(config, group, target=target, writer=writer, done=done, log=log)
+        items = group.local("reading this rank's records", lambda: read_items(run, run.mine))
+        kept = fit_or_load_basis(run, items) if spec.is_basis else {}
+        group.step("computing", lambda: compute(run, items, kept))
+        gathered = group.step("closing the shards", lambda: (writer.close(), run.stats)[1])
     except BaseException:
         writer.abort()
         raise
@@ -475,7 +433,90 @@ def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> Preco
             finalize_cache(config.out, spec, world_size)
 
     group.step("writing the manifest", finalize)
-    return _summary(config, open_cache(config.out), gathered, start, world_size)
+    return _summary(config, open_cache(config.out), gathered=gathered, start=start, world_size=world_size)
+
+
+def _load(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: int) -> tuple[Any, CacheSpec, bool]:
+    """The target (checked first), the cache spec, and (rank 0) whether `out` already holds
+    this cache finished."""
+    from dflash.precompute.target import Target, resolve_device, resolve_dtype
+
+    if rank == 0:
+        _check_out_dir(config)
+    device = resolve_device(config.device, local_rank)
+    target = Target(config.target, layer_ids=config.feature_layers, num_feature_layers=config.num_feature_layers,
+                    top_k=config.top_k, device=device, dtype=resolve_dtype(config.dtype, device),
+                    trust_remote_code=config.trust_remote_code)
+    spec = _build_spec(config, target, world_size)
+    if rank != 0:
+        return target, spec, False
+    if config.overwrite and config.out.exists():  # only once the target and inputs checked out
+        shutil.rmtree(config.out)
+    return target, spec, _finished_cache(config, spec)
+
+
+def _open_writer(config: PrecomputeConfig, spec: CacheSpec, *, target: Any, rank: int, world_size: int) -> CacheWriter:
+    try:
+        # On a GPU, encoding and disk writes overlap the next batch's forward; on CPU a
+        # writer thread would only compete with the forward for the same cores.
+        return CacheWriter(config.out, spec, rank=rank, world_size=world_size,
+                           background=target.device.type == "cuda")
+    except ValueError as error:
+        raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
+
+
+def _scan(config: PrecomputeConfig, group: _Group, *, target: Any, writer: CacheWriter,
+          done: set[tuple[str, int]], log: Callable[[str], None]) -> RankRun:
+    """Write CACHE/target/ (rank 0), tokenize this rank's stride of the inputs (rejecting the
+    bad records), exchange the lengths and assign the records: the RankRun."""
+    rank, world_size = group.rank, group.world_size
+    encoder = ChatEncoder(target.tokenizer, config.max_length, chat_template=_template_text(config),
+                          chat_template_kwargs=config.chat_template_kwargs)
+    stats = RankStats()
+
+    def scan() -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
+        if rank == 0:
+            target.write_target_dir(config.out / "target")
+        return _scan_stride(config, encoder=encoder, writer=writer, done=done, stats=stats, rank=rank,
+                            world_size=world_size)
+
+    scanned = group.step("reading the inputs", scan)
+    lengths = sorted(item for part, _ in scanned for item in part)
+    if not lengths and writer.spec.is_basis:
+        _refuse_all_rejected(config, rank=rank, rejects=[r for _, part in scanned for r in part])
+    mine = {lengths[j][0] for j in assign_ranks([n for _, n in lengths], world_size)[rank]}
+    return RankRun(config=config, group=group, target=target, encoder=encoder, writer=writer, done=done,
+                   stats=stats, log=log, lengths=lengths, mine=mine)
+
+
+def _scan_stride(config: PrecomputeConfig, *, encoder: ChatEncoder, writer: CacheWriter, done: set[tuple[str, int]],
+                 stats: RankStats, rank: int, world_size: int) -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
+    """Tokenize every world_size-th record (this rank's share of the length scan) and reject
+    the bad ones; returns [(position, tokens)] of the good ones and the rejects made."""
+    lengths, rejects = [], []
+    for position, record in enumerate(iter_records(config.data, config.limit)):
+        if position % world_size != rank:
+            continue
+        try:
+            lengths.append((position, prepare(config, encoder, position=position, record=record).num_tokens))
+        except RecordError as error:
+            if (record.file, record.index) in done:
+                stats.resumed += 1
+            else:
+                reject(config, writer, source=record.source, reason=str(error))
+                rejects.append({**record.source, "reason": str(error)})
+    return lengths, rejects
+
+
+def _refuse_all_rejected(config: PrecomputeConfig, *, rank: int, rejects: list[dict[str, Any]]) -> None:
+    """Every record was rejected and a basis codec has nothing to fit on: rank 0 writes the
+    reasons to CACHE/rejected.jsonl (nothing is committed, a rerun scans again) and every
+    rank raises the error the raw codecs give once their empty cache is finalized."""
+    if rank == 0:
+        rejects = sorted(rejects, key=lambda r: (r["file"], r["index"]))
+        write_atomic(config.out / "rejected.jsonl",
+                     "".join(json.dumps(r, sort_keys=True) + "\n" for r in rejects).encode())
+    raise _empty_error(config, Counter(r["reason"] for r in rejects))
 
 
 def _check_out_dir(config: PrecomputeConfig) -> None:
@@ -561,168 +602,7 @@ def _expand(gathered: list[dict[str, np.ndarray]]) -> set[tuple[str, int]]:
     return {(file, int(i)) for part in gathered for file, ix in part.items() for i in ix}
 
 
-def _reject(config: PrecomputeConfig, writer: CacheWriter, source: dict[str, Any], reason: str) -> None:
-    if config.strict:
-        raise ValueError(f"{source['file']} record {source['index']}: {reason} (--strict)")
-    writer.reject(source=source, reason=reason)
-
-
-def _prepare(encoder: ChatEncoder, data: Any) -> tuple[list[dict[str, str]] | str, Encoded]:
-    conversation = normalize_record(data)
-    if isinstance(conversation, str):
-        return conversation, encoder.encode(conversation)
-    return conversation, encoder.encode(conversation, cut_turns=cut_assistant_turns(data, conversation))
-
-
-def _prepare_stride(config, encoder, writer, done, stats, rank, world_size) -> list[tuple[int, int]]:
-    """Tokenize every world_size-th record (this rank's share of the length scan) and
-    reject the bad ones; returns [(position, tokens)] of the good ones."""
-    lengths = []
-    for position, record in enumerate(iter_records(config.data, config.limit)):
-        if position % world_size != rank:
-            continue
-        try:
-            if record.error is not None:
-                raise RecordError(record.error)
-            _, encoded = _prepare(encoder, record.data)
-            lengths.append((position, len(encoded.input_ids)))
-        except RecordError as error:
-            key = (record.file, record.index)
-            if key in done:
-                stats.resumed += 1
-            else:
-                _reject(config, writer, record.source, str(error))
-    return lengths
-
-
-def _merge_lengths(gathered: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    return sorted(item for part in gathered for item in part)
-
-
-def _compute(config, target, encoder, writer, done, mine, stats, sampled=None) -> None:
-    """Run this rank's batches and write their rows. `sampled`: {key: regenerated item, or
-    None if rejected} of the records the basis fit regenerated already."""
-    sampled = sampled or {}
-    from tqdm import tqdm
-
-    items = []
-    for position, record in enumerate(iter_records(config.data, config.limit)):
-        if position in mine:
-            conversation, encoded = _prepare(encoder, record.data)
-            items.append(_Item(source=record.source, conversation=conversation, encoded=encoded))
-    lengths = [len(item.encoded.input_ids) for item in items]
-    total_tokens = sum(lengths)
-    done_tokens = sum(n for item, n in zip(items, lengths) if item.key in done)
-    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
-               desc="precompute", file=sys.stderr, disable=not (config.progress and writer.rank == 0),
-               dynamic_ncols=True, smoothing=0.05)
-    num_done = sum(item.key in done for item in items)
-    stats.resumed += num_done
-    written = 0
-    with bar:
-        for batch in plan_batches(lengths, config.batch_tokens):
-            members = [items[i] for i in batch]
-            if all(item.key in done for item in members):
-                continue
-            if config.regenerate:
-                bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq, generating {len(members)}")
-                fresh = [m for m in members if m.key not in sampled]
-                regenerated = {**sampled, **{m.key: m for m in (
-                    _regenerate(config, target, encoder, writer, done, fresh, stats) if fresh else [])}}
-                members = [regenerated[m.key] for m in members if regenerated.get(m.key) is not None]
-                forward_batches = [[members[i] for i in b] for b in
-                                   plan_batches([len(m.encoded.input_ids) for m in members], config.batch_tokens)]
-            else:
-                forward_batches = [members]
-            for part in forward_batches:
-                if not part:
-                    continue
-                began = time.perf_counter()
-                outputs = target.forward([m.encoded.input_ids for m in part], [m.name for m in part])
-                stats.forward_s += time.perf_counter() - began
-                for item, output in zip(part, outputs):
-                    if item.key in done:
-                        continue
-                    writer.add(source=item.source, input_ids=item.encoded.input_ids,
-                               loss_mask=item.encoded.loss_mask, features=output.features,
-                               topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs)
-                    stats.written_sequences += 1
-                    stats.written_tokens += len(item.encoded.input_ids)
-                    stats.truncated += item.encoded.truncated
-                    written += 1
-            bar.set_postfix_str(f"{num_done + written:,}/{len(items):,} seq", refresh=False)
-            bar.update(sum(len(items[i].encoded.input_ids) for i in batch if items[i].key not in done))
-
-
-def _regenerate(config, target, encoder, writer, done, members: list[_Item], stats) -> list[_Item]:
-    """Replace every assistant turn of `members` by the target's reply (turn by turn,
-    batched); returns the re-encoded items, rejecting those that no longer fit."""
-    conversations = [
-        [dict(m) for m in item.conversation] if isinstance(item.conversation, list) else item.conversation
-        for item in members
-    ]
-    turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if isinstance(c, list) else []
-             for c in conversations]
-    alive = [True] * len(members)
-    cut: list[set[int]] = [set() for _ in members]  # per conversation: messages cut at max_new_tokens
-
-    def drop(j: int, reason: str) -> None:
-        alive[j] = False
-        if members[j].key not in done:
-            _reject(config, writer, members[j].source, reason)
-
-    for round_ in range(max((len(t) for t in turns), default=0)):
-        prompts: dict[int, list[int]] = {}
-        for j, conversation in enumerate(conversations):
-            if not alive[j] or round_ >= len(turns[j]):
-                continue
-            try:
-                prompt = encoder.prompt_ids(conversation[: turns[j][round_]])
-            except RecordError as error:
-                drop(j, str(error))
-                continue
-            if len(prompt) >= config.max_length:
-                drop(j, f"prompt of assistant turn {round_} has {len(prompt)} tokens, no room "
-                        f"below --max-length {config.max_length}")
-                continue
-            prompts[j] = prompt
-        order = list(prompts)
-        budgets = {j: min(config.max_new_tokens, config.max_length - len(prompts[j])) for j in order}
-        for batch in plan_batches([len(prompts[j]) + budgets[j] for j in order], config.batch_tokens):
-            js = [order[b] for b in batch]
-            seed = _generation_seed(config.seed, round_, members[js[0]].source)
-            began = time.perf_counter()
-            replies = target.generate([prompts[j] for j in js], [budgets[j] for j in js],
-                                      config.temperature, seed)
-            stats.generate_s += time.perf_counter() - began
-            for j, reply in zip(js, replies):
-                conversations[j][turns[j][round_]]["content"] = target.tokenizer.decode(
-                    reply.token_ids, skip_special_tokens=True)
-                if not reply.finished:
-                    cut[j].add(turns[j][round_])
-                if members[j].key not in done:
-                    stats.regenerated_replies += 1
-                    stats.cut_replies += not reply.finished
-    regenerated = []
-    for j, item in enumerate(members):
-        if not alive[j]:
-            continue
-        try:
-            encoded = encoder.encode(conversations[j], cut_turns=frozenset(cut[j]))
-        except RecordError as error:
-            drop(j, str(error))
-            continue
-        regenerated.append(_Item(source=item.source, conversation=conversations[j], encoded=encoded))
-    return regenerated
-
-
-def _generation_seed(seed: int, round_: int, source: dict[str, Any]) -> int:
-    """A sampling seed that depends only on the run seed, the turn and the batch's first record."""
-    text = json.dumps([seed, round_, source["file"], source["index"]])
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
-
-
-def _summary(config: PrecomputeConfig, cache: Any, gathered: list[_RankStats], start: float,
+def _summary(config: PrecomputeConfig, cache: Any, *, gathered: list[RankStats], start: float,
              world_size: int, already_complete: bool = False) -> PrecomputeSummary:
     manifest = cache.manifest
     num_tokens = max(1, manifest["num_tokens"])
@@ -732,8 +612,8 @@ def _summary(config: PrecomputeConfig, cache: Any, gathered: list[_RankStats], s
     with open(cache.rejected_path, encoding="utf-8") as f:
         for line in f:
             rejected[json.loads(line)["reason"]] += 1
-    total = _RankStats(**{f.name: sum(getattr(s, f.name) for s in gathered)
-                          for f in dataclasses.fields(_RankStats)})
+    total = RankStats(**{f.name: sum(getattr(s, f.name) for s in gathered)
+                          for f in dataclasses.fields(RankStats)})
     return PrecomputeSummary(
         cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
         num_loss_tokens=manifest["num_loss_tokens"], rejected=dict(rejected),

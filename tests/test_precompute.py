@@ -160,7 +160,7 @@ def test_bad_records_are_rejected_with_reasons(targets, tmp_path):
     rejected = [json.loads(line) for line in (tmp_path / "cache" / "rejected.jsonl").read_text().splitlines()]
     assert [(r["index"], r["reason"].split(":")[0]) for r in rejected] == [
         (2, "invalid JSON"), (3, "conversation has no assistant turn"),
-        (4, "field 'response' is missing"), (5, "record has none of the fields 'messages', 'conversations', "
+        (4, "conversation has no assistant turn"), (5, "record has none of the fields 'messages', 'conversations', "
                                                 "'prompt'+'response', 'text'")]
     cache = open_cache(tmp_path / "cache")
     assert sorted(cache.source(i)["index"] for i in range(len(cache))) == [0, 1, 6]

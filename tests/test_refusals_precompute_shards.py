@@ -50,7 +50,7 @@ def test_stage_one_records_the_targets_fingerprint(target, tmp_path):
 
 @pytest.mark.parametrize("records, match", [
     ([], "no record was read from --data"),
-    (["{broken", {"nothing": 1}], r"no sequence was written: 2 record\(s\) read .* all rejected.*rejected.jsonl"),
+    (["{broken", {"nothing": 1}], r"no sequence was written: 2 records read .* all rejected.*rejected.jsonl"),
 ])
 def test_an_empty_result_is_an_error(target, tmp_path, records, match):
     data = write_jsonl(tmp_path / "in.jsonl", records)
