@@ -27,7 +27,7 @@ def _layer_ids(ctx, param, value: str | None) -> list[int] | None:
     try:
         return [int(part) for part in value.split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected 'auto' or comma-separated layer ids like 1,9,17, got {value!r}")
+        raise click.BadParameter(f"expected 'auto' or comma-separated layer ids like 1,9,17, got {value!r}") from None
 
 
 _PATH = click.Path(path_type=str)

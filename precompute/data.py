@@ -27,13 +27,11 @@ unfound and the record is rejected with that reason rather than trained with a w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dflash.shards.records import RecordError
-
 
 # ----------------------------------------------------------------------------- encoding
 

@@ -50,9 +50,10 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -167,6 +168,12 @@ class PrecomputeConfig:
         if self.feature_layers is not None:
             if not self.feature_layers or len(set(self.feature_layers)) != len(self.feature_layers):
                 raise ValueError(f"--feature-layers must list distinct layer ids, got {self.feature_layers}")
+            if self.feature_layers != sorted(self.feature_layers):
+                # Serving engines (vLLM, SGLang) sort target_layer_ids before feeding the drafter,
+                # so fc's column blocks would meet the wrong layers, silently.
+                raise ValueError(f"--feature-layers must be ascending (serving engines sort target_layer_ids, "
+                                 f"so the drafter would meet the wrong layers): give "
+                                 f"{','.join(map(str, sorted(self.feature_layers)))}")
 
 
 @dataclass

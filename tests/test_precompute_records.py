@@ -20,8 +20,14 @@ from dflash.precompute.pipeline import NO_REPLY
 from dflash.precompute.run import run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache
-from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, write_jsonl
-from tests.builders import precompute_config as config
+from tests.builders import (
+    KILLED_RUN,
+    RECORDS,
+    SUBPROCESS_ENV as ENV,
+    build_target,
+    precompute_config as config,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
