@@ -109,15 +109,8 @@ def sparse_kl_loss(
     found in the same vocabulary pass (first index among exact ties).
     """
     _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass)
-    if tail not in TAILS:
-        raise ValueError(f"sparse_kl_loss: tail={tail!r}; use one of {TAILS}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"sparse_kl_loss: reduction={reduction!r}; use one of {REDUCTIONS}")
-    if impl not in IMPLS:
-        raise ValueError(f"sparse_kl_loss: impl={impl!r}; use one of {IMPLS}")
+    _check_options(tail=tail, reduction=reduction, impl=impl, ce_weight=ce_weight, ce_targets=ce_targets)
     use_ce = ce_weight != 0.0
-    if use_ce and ce_targets is None:
-        raise ValueError("sparse_kl_loss: ce_weight != 0 needs ce_targets ([N] integer labels)")
     if impl == "auto":
         impl = "triton" if hidden.is_cuda else "torch"
     if workspace_bytes is None:
@@ -145,18 +138,8 @@ def sparse_kl_loss(
         tail_mass = torch.where(live, tail_mass.float(), 1.0)
 
     if impl == "triton":
-        try:
-            from . import sparse_kl
-        except ImportError as err:
-            raise RuntimeError(
-                "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
-                "use impl='torch' on this machine"
-            ) from err
-        lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
-        rows, argmax = sparse_kl.triton_sparse_kl_rows(
-            hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
-            workspace_bytes=workspace_bytes, config=triton_config,
-        )
+        rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
+                                    workspace_bytes=workspace_bytes, config=triton_config)
     else:
         if impl == "naive":
             lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
@@ -174,6 +157,33 @@ def sparse_kl_loss(
     else:
         loss = rows.sum() / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
     return (loss, argmax) if return_argmax else loss
+
+
+def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce_targets) -> None:
+    if tail not in TAILS:
+        raise ValueError(f"sparse_kl_loss: tail={tail!r}; use one of {TAILS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"sparse_kl_loss: reduction={reduction!r}; use one of {REDUCTIONS}")
+    if impl not in IMPLS:
+        raise ValueError(f"sparse_kl_loss: impl={impl!r}; use one of {IMPLS}")
+    if ce_weight != 0.0 and ce_targets is None:
+        raise ValueError("sparse_kl_loss: ce_weight != 0 needs ce_targets ([N] integer labels)")
+
+
+def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
+    """The triton impl's [N] row losses and [N] argmax (kernels/sparse_kl.py)."""
+    try:
+        from . import sparse_kl
+    except ImportError as err:
+        raise RuntimeError(
+            "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
+            "use impl='torch' on this machine"
+        ) from err
+    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+    return sparse_kl.triton_sparse_kl_rows(
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
+        workspace_bytes=workspace_bytes, config=config,
+    )
 
 
 def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass) -> None:

@@ -500,18 +500,25 @@ async def _run(config: RegenerateConfig) -> RegenerateSummary:
         assert not queue, "every record is written once all tasks are done"
         finished = True
     finally:
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        bar.close()
-        output.close(finished)
-        for server in servers:
-            await server.client.close()
+        await _shut_down(tasks, bar, output, servers, finished=finished)
     summary.written = output.num_written
     summary.rejected = dict(output.rejected)
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+async def _shut_down(tasks: set[asyncio.Task], bar: Any, output: _Output, servers: list[_Server], *,
+                     finished: bool) -> None:
+    """Cancel what still runs, then close the bar, the output (published only when `finished`)
+    and the server clients."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+    bar.close()
+    output.close(finished)
+    for server in servers:
+        await server.client.close()
 
 
 async def _pick_model(config: RegenerateConfig, servers: list[_Server]) -> str:

@@ -99,20 +99,45 @@ def validate_row(
     Raises ValueError naming the source record and what is wrong.
     """
     where = f"row from {source['file']} record {source['index']}"
+    input_ids, loss_mask = np.asarray(input_ids), np.asarray(loss_mask)
+    features, topk_ids, topk_logprobs = np.asarray(features), np.asarray(topk_ids), np.asarray(topk_logprobs)
+    _check_shapes_and_ids(spec, where, input_ids, loss_mask, features, topk_ids, topk_logprobs)
+    if loss_mask.dtype != np.bool_:
+        if not np.issubdtype(loss_mask.dtype, np.integer) or not np.isin(loss_mask, (0, 1)).all():
+            _fail(where, f"loss_mask must be bool (or 0/1 integers), got dtype {loss_mask.dtype}")
+        loss_mask = loss_mask.astype(bool)
+    features = _checked_features(spec, where, features)
+    mass = _topk_mass(spec, where, topk_ids, topk_logprobs)
+    if tail_mass is None:
+        tail_mass = np.maximum(0.0, 1.0 - mass).astype(np.float32)
+    else:
+        tail_mass = np.asarray(tail_mass, dtype=np.float32)
+        if tail_mass.shape != (input_ids.size,):
+            _fail(where, f"tail_mass has shape {tail_mass.shape}, expected ({input_ids.size},)")
+        if not (np.isfinite(tail_mass).all() and tail_mass.min() >= 0 and tail_mass.max() <= 1):
+            _fail(where, "tail_mass must be finite and in [0, 1]")
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "features": features,
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_logprobs,
+        "tail_mass": tail_mass,
+    }
 
-    def fail(message: str) -> None:
-        raise ValueError(f"{where}: {message}")
 
-    input_ids = np.asarray(input_ids)
-    loss_mask = np.asarray(loss_mask)
-    features = np.asarray(features)
-    topk_ids = np.asarray(topk_ids)
-    topk_logprobs = np.asarray(topk_logprobs)
+def _fail(where: str, message: str) -> None:
+    raise ValueError(f"{where}: {message}")
+
+
+def _check_shapes_and_ids(spec: CacheSpec, where: str, input_ids: np.ndarray, loss_mask: np.ndarray,
+                          features: np.ndarray, topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> None:
+    """Every array's shape against input_ids' [T] and the spec; ids are integers in the vocabulary."""
     if input_ids.ndim != 1 or input_ids.size == 0:
-        fail(f"input_ids must be a non-empty [T] array, got shape {input_ids.shape}")
+        _fail(where, f"input_ids must be a non-empty [T] array, got shape {input_ids.shape}")
     num_tokens = input_ids.size
     if num_tokens > spec.max_length:
-        fail(f"{num_tokens} tokens exceed max_length {spec.max_length}")
+        _fail(where, f"{num_tokens} tokens exceed max_length {spec.max_length}")
     shape_t_k = (num_tokens, spec.top_k)
     expected = {
         "loss_mask": (loss_mask, (num_tokens,)),
@@ -122,70 +147,57 @@ def validate_row(
     }
     for name, (array, shape) in expected.items():
         if array.shape != shape:
-            fail(f"{name} has shape {array.shape}, expected {shape} ([T={num_tokens}] from input_ids)")
+            _fail(where, f"{name} has shape {array.shape}, expected {shape} ([T={num_tokens}] from input_ids)")
     for name, array in (("input_ids", input_ids), ("topk_ids", topk_ids)):
         if not np.issubdtype(array.dtype, np.integer):
-            fail(f"{name} must hold integers, got dtype {array.dtype}")
+            _fail(where, f"{name} must hold integers, got dtype {array.dtype}")
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= spec.vocab_size:
-            fail(f"{name} has values in [{low}, {high}], outside [0, vocab_size={spec.vocab_size})")
-    if loss_mask.dtype != np.bool_:
-        if not np.issubdtype(loss_mask.dtype, np.integer) or not np.isin(loss_mask, (0, 1)).all():
-            fail(f"loss_mask must be bool (or 0/1 integers), got dtype {loss_mask.dtype}")
-        loss_mask = loss_mask.astype(bool)
+            _fail(where, f"{name} has values in [{low}, {high}], outside [0, vocab_size={spec.vocab_size})")
+
+
+def _checked_features(spec: CacheSpec, where: str, features: np.ndarray) -> np.ndarray:
+    """Features finite (and within bf16's range for the bf16 codec); floats as float32."""
     if features.dtype == np.uint16:
         # bf16 bit patterns: exponent all ones (magnitude bits >= 0x7F80) is inf or NaN.
         if (features & np.uint16(0x7FFF)).max() >= 0x7F80:
-            fail("features (bf16 bits) hold inf or NaN")
+            _fail(where, "features (bf16 bits) hold inf or NaN")
     elif np.issubdtype(features.dtype, np.floating):
         features = features.astype(np.float32, copy=False)
         # Two reductions and no temporary: max and min propagate NaN and reach any inf.
         high, low = float(features.max()), float(features.min())
         if not (np.isfinite(high) and np.isfinite(low)):
-            fail("features hold inf or NaN")
+            _fail(where, "features hold inf or NaN")
         if spec.feature_codec == "bf16" and max(high, -low) >= 3.3895e38:
-            fail("features exceed the bf16 range (they would round to inf)")
+            _fail(where, "features exceed the bf16 range (they would round to inf)")
     else:
-        fail(f"features must be float or uint16 bf16 bits, got dtype {features.dtype}")
+        _fail(where, f"features must be float or uint16 bf16 bits, got dtype {features.dtype}")
+    return features
+
+
+def _topk_mass(spec: CacheSpec, where: str, topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> np.ndarray:
+    """[T] float64 probability mass of each position's top-k, after checking that the top-k are
+    finite, normalised log-probabilities of distinct ids."""
     if not np.issubdtype(topk_logprobs.dtype, np.floating):
-        fail(f"topk_logprobs must be float, got dtype {topk_logprobs.dtype}")
+        _fail(where, f"topk_logprobs must be float, got dtype {topk_logprobs.dtype}")
     if not np.isfinite(topk_logprobs).all():
-        fail("topk_logprobs hold inf or NaN")
+        _fail(where, "topk_logprobs hold inf or NaN")
     if topk_logprobs.max() > _LOGPROB_SLACK:
-        fail(f"topk_logprobs must be log-probabilities (<= 0), max is {topk_logprobs.max()}")
+        _fail(where, f"topk_logprobs must be log-probabilities (<= 0), max is {topk_logprobs.max()}")
     mass = np.exp(topk_logprobs.astype(np.float64)).sum(axis=1)
     if mass.max() > 1 + _LOGPROB_SLACK:
         position = int(mass.argmax())
-        fail(
-            f"top-k probabilities sum to {mass.max():.6f} > 1 at position {position}: pass "
-            "full-vocabulary normalised log-probs"
-        )
+        _fail(where, f"top-k probabilities sum to {mass.max():.6f} > 1 at position {position}: pass "
+                     "full-vocabulary normalised log-probs")
     if mass.min() <= 0:
-        fail(
-            f"top-k probabilities sum to 0 at position {int(mass.argmin())}: the top-k of a "
-            "normalised distribution holds at least 1/V"
-        )
+        _fail(where, f"top-k probabilities sum to 0 at position {int(mass.argmin())}: the top-k of a "
+                     "normalised distribution holds at least 1/V")
     if spec.top_k > 1:
         sorted_ids = np.sort(topk_ids, axis=1)
         repeats = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)
         if repeats.any():
-            fail(f"topk_ids repeat an id at position {int(repeats.argmax())}")
-    if tail_mass is None:
-        tail_mass = np.maximum(0.0, 1.0 - mass).astype(np.float32)
-    else:
-        tail_mass = np.asarray(tail_mass, dtype=np.float32)
-        if tail_mass.shape != (num_tokens,):
-            fail(f"tail_mass has shape {tail_mass.shape}, expected ({num_tokens},)")
-        if not (np.isfinite(tail_mass).all() and tail_mass.min() >= 0 and tail_mass.max() <= 1):
-            fail("tail_mass must be finite and in [0, 1]")
-    return {
-        "input_ids": input_ids,
-        "loss_mask": loss_mask,
-        "features": features,
-        "topk_ids": topk_ids,
-        "topk_logprobs": topk_logprobs,
-        "tail_mass": tail_mass,
-    }
+            _fail(where, f"topk_ids repeat an id at position {int(repeats.argmax())}")
+    return mass
 
 
 def _value_bytes(column: pa.Array) -> int:
@@ -528,46 +540,7 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
 
     cache_dir = Path(cache_dir)
     shards_dir = cache_dir / SHARDS_DIR
-    for path in shards_dir.glob("rank*.spec.json"):
-        rank = int(path.name[4:9])
-        if rank >= world_size:
-            raise ValueError(
-                f"{path}: rank {rank} wrote to this cache but world_size is {world_size}; "
-                "finalize with the world size the cache was written with"
-            )
-    shards: list[dict[str, Any]] = []
-    rejects: list[dict[str, Any]] = []
-    sequences: dict[str, list] = {"source_file": [], "source_index": [], "length": [], "num_loss_tokens": []}
-    for rank in range(world_size):
-        done_path = shards_dir / _done_name(rank)
-        if not done_path.exists():
-            raise ValueError(
-                f"rank {rank} has not closed its writer ({done_path} is missing): rerun the "
-                "producer so that every rank finishes, then finalize"
-            )
-        recorded = CacheSpec.from_dict(_read_json(shards_dir / _spec_name(rank))["spec"])
-        differ = recorded.identity_diff(spec)
-        if differ:
-            raise ValueError(
-                f"rank {rank} wrote this cache with a different configuration (fields {differ} "
-                "differ from the spec given to finalize_cache)"
-            )
-        done = _read_json(done_path)
-        rejects += done["rejects"]
-        for index in range(done["num_shards"]):
-            record = _read_json(shards_dir / _record_name(rank, index))
-            shard_path = cache_dir / record["path"]
-            if not shard_path.exists() or shard_path.stat().st_size != record["num_bytes"]:
-                raise ValueError(
-                    f"{shard_path} is missing or not {record['num_bytes']} bytes as recorded; "
-                    f"rerun the producer to rewrite rank {rank}'s shards"
-                )
-            rejects += record["rejects"]
-            for key in sequences:
-                sequences[key] += record["sequences"][key]
-            shards.append({key: record[key] for key in (
-                "path", "rank", "sha256", "rows_sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
-
+    shards, rejects, sequences = _gather_ranks(cache_dir, spec, world_size)
     rejects.sort(key=lambda r: (r["file"], r["index"]))
     write_atomic(
         cache_dir / REJECTED,
@@ -608,6 +581,52 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
     }
     write_atomic(cache_dir / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
     return open_cache(cache_dir)
+
+
+def _gather_ranks(cache_dir: Path, spec: CacheSpec, world_size: int) -> tuple[list, list, dict[str, list]]:
+    """(shard entries, rejects, per-sequence columns) of every rank's closed writer, checked:
+    no rank beyond world_size, every rank done with the same spec, every shard at its size."""
+    shards_dir = cache_dir / SHARDS_DIR
+    for path in shards_dir.glob("rank*.spec.json"):
+        rank = int(path.name[4:9])
+        if rank >= world_size:
+            raise ValueError(
+                f"{path}: rank {rank} wrote to this cache but world_size is {world_size}; "
+                "finalize with the world size the cache was written with"
+            )
+    shards: list[dict[str, Any]] = []
+    rejects: list[dict[str, Any]] = []
+    sequences: dict[str, list] = {"source_file": [], "source_index": [], "length": [], "num_loss_tokens": []}
+    for rank in range(world_size):
+        done_path = shards_dir / _done_name(rank)
+        if not done_path.exists():
+            raise ValueError(
+                f"rank {rank} has not closed its writer ({done_path} is missing): rerun the "
+                "producer so that every rank finishes, then finalize"
+            )
+        recorded = CacheSpec.from_dict(_read_json(shards_dir / _spec_name(rank))["spec"])
+        differ = recorded.identity_diff(spec)
+        if differ:
+            raise ValueError(
+                f"rank {rank} wrote this cache with a different configuration (fields {differ} "
+                "differ from the spec given to finalize_cache)"
+            )
+        done = _read_json(done_path)
+        rejects += done["rejects"]
+        for index in range(done["num_shards"]):
+            record = _read_json(shards_dir / _record_name(rank, index))
+            shard_path = cache_dir / record["path"]
+            if not shard_path.exists() or shard_path.stat().st_size != record["num_bytes"]:
+                raise ValueError(
+                    f"{shard_path} is missing or not {record['num_bytes']} bytes as recorded; "
+                    f"rerun the producer to rewrite rank {rank}'s shards"
+                )
+            rejects += record["rejects"]
+            for key in sequences:
+                sequences[key] += record["sequences"][key]
+            shards.append({key: record[key] for key in (
+                "path", "rank", "sha256", "rows_sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
+    return shards, rejects, sequences
 
 
 def _basis_entry(cache_dir: Path, shards_dir: Path, world_size: int) -> dict[str, Any]:
