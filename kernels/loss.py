@@ -111,8 +111,7 @@ def sparse_kl_loss(
     _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass)
     _check_options(tail=tail, reduction=reduction, impl=impl, ce_weight=ce_weight, ce_targets=ce_targets)
     use_ce = ce_weight != 0.0
-    if impl == "auto":
-        impl = "triton" if hidden.is_cuda else "torch"
+    impl = ("triton" if hidden.is_cuda else "torch") if impl == "auto" else impl
     if workspace_bytes is None:
         workspace_bytes = default_workspace_bytes(hidden.device)
 
@@ -141,14 +140,8 @@ def sparse_kl_loss(
         rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
                                     workspace_bytes=workspace_bytes, config=triton_config)
     else:
-        if impl == "naive":
-            lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
-        else:
-            lse, z_sel, argmax = chunked_lse_gather(
-                hidden, weight, ids, vocab_pass=vocab_pass, dense_grad=tail == "bucket" or use_ce,
-                workspace_bytes=workspace_bytes,
-            )
-        rows = row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass)
+        rows, argmax = _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
+                                   naive=impl == "naive", vocab_pass=vocab_pass, workspace_bytes=workspace_bytes)
     rows = torch.where(live, w * rows, 0.0)  # [N] fp32
     if reduction == "none":
         loss = rows
@@ -168,6 +161,19 @@ def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce
         raise ValueError(f"sparse_kl_loss: impl={impl!r}; use one of {IMPLS}")
     if ce_weight != 0.0 and ce_targets is None:
         raise ValueError("sparse_kl_loss: ce_weight != 0 needs ce_targets ([N] integer labels)")
+
+
+def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, naive, vocab_pass,
+                workspace_bytes):
+    """The naive or chunked torch impl's [N] row losses and [N] argmax (kernels/reference.py)."""
+    if naive:
+        lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
+    else:
+        lse, z_sel, argmax = chunked_lse_gather(
+            hidden, weight, ids, vocab_pass=vocab_pass, dense_grad=tail == "bucket" or ce_weight != 0.0,
+            workspace_bytes=workspace_bytes,
+        )
+    return row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass), argmax
 
 
 def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
