@@ -82,6 +82,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from dflash.shards.records import iter_records
     from dflash.train.data import held_out_mask
     from dflash.train.evaluate import load_target
     from dflash.train.model import TargetHead
@@ -93,10 +94,15 @@ def main() -> None:
         if not path.exists():
             raise SystemExit(f"{what} {path} does not exist: run `make demo` first, or pass {what}")
     loaded = load_drafter(args.run)
+    fit = loaded.fit_config or {}
+    if loaded.drafter.config.feature_width is not None:  # trained on basis coefficients: decode raw features
+        from dflash.train.basis import basis_of_caches, fold_basis
+
+        loaded.drafter = fold_basis(loaded.drafter, basis_of_caches(fit.get("cache") or [],
+                                                                    loaded.drafter.config.feature_basis_sha256))
     drafter = loaded.drafter.float().eval()
     target, tokenizer, stop = load_target(args.target, drafter, device=torch.device("cpu"), dtype=torch.float32)
-    fit = loaded.fit_config or {}
-    num_records = sum(1 for line in args.prompts.read_text().splitlines() if line.strip())
+    num_records = sum(1 for _ in iter_records([args.prompts], flag="--prompts"))  # stage one's indices
     held = held_out_mask(num_records, fit.get("eval_fraction", 0.1), fit.get("seed", 0))
     prompts, _ = load_prompts(args.prompts, tokenizer, keep=set(np.flatnonzero(held).tolist()), limit=args.limit)
     prompts = prompts[: args.limit]

@@ -195,3 +195,24 @@ def test_evaluate_online_reports_a_mismatch(target, monkeypatch):
     assert (mismatch["file"], mismatch["index"], mismatch["position"]) == ("p.jsonl", 7, 3)
     assert mismatch["speculative_token"] == (mismatch["reference_token"] + 1) % V
     assert mismatch["reference_margin"] > 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17])
+def test_rows_linear_is_linear_and_only_inside_decoding(rows):
+    import torch.nn.functional as F
+
+    from dflash.train.speculative import decoding_linear, rows_linear
+
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, rows, 41), torch.randn(1031, 41), torch.randn(1031)
+    expected = (x.double() @ weight.double().T + bias.double()).float()  # [1, rows, 1031]
+    # Another summation order: float32 rounding of 41-term sums only.
+    assert torch.allclose(rows_linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5)
+    if rows == 1:
+        assert torch.equal(rows_linear(x, weight, bias), F.linear(x, weight, bias))
+    layer = torch.nn.Linear(41, 1031)
+    before = F.linear
+    with decoding_linear(torch.device("cpu")):
+        assert F.linear is rows_linear
+        assert torch.allclose(layer(x), rows_linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    assert F.linear is before
