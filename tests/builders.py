@@ -331,3 +331,17 @@ def add_then_die(self, **row):
 CacheWriter.add = add_then_die
 run_precompute(PrecomputeConfig(**options))
 """
+
+
+def killed_precompute(config, rows: int):
+    """Run stage one with `config` (a PrecomputeConfig) in a subprocess that SIGKILLs itself
+    after writing `rows` rows (KILLED_RUN); returns the CompletedProcess."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    options = dataclasses.asdict(config)
+    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
+    options["data"] = [str(p) for p in options["data"]]
+    return subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), str(rows)], env=SUBPROCESS_ENV,
+                          capture_output=True, text=True, timeout=300)

@@ -4,10 +4,7 @@ records, reused on resume, and the same (to float rounding) on two ranks as on o
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,10 +14,9 @@ from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.basis import BASIS_FILE
 from tests.builders import (
-    KILLED_RUN,
     RECORDS,
-    SUBPROCESS_ENV as ENV,
     build_target,
+    killed_precompute,
     precompute_config as config,
     write_jsonl,
 )
@@ -85,11 +81,7 @@ def test_two_ranks_fit_the_same_basis(target, data, tmp_path, one_rank):
 
 
 def test_kill_then_resume_reuses_the_basis(target, data, tmp_path, one_rank):
-    options = dataclasses.asdict(config(target, data, tmp_path / "cache", **CODEC))
-    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
-    options["data"] = [str(p) for p in options["data"]]
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "3"], env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    killed = killed_precompute(config(target, data, tmp_path / "cache", **CODEC), 3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     written = (tmp_path / "cache" / BASIS_FILE).read_bytes()
     run_precompute(config(target, data, tmp_path / "cache", **CODEC))

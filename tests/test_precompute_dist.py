@@ -4,8 +4,6 @@ killed with SIGKILL and rerun equals an uninterrupted run byte for byte."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -19,7 +17,14 @@ from click.testing import CliRunner
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
-from tests.builders import KILLED_RUN, RECORDS, SUBPROCESS_ENV as ENV, build_target, precompute_config, write_jsonl
+from tests.builders import (
+    RECORDS,
+    SUBPROCESS_ENV as ENV,
+    build_target,
+    killed_precompute,
+    precompute_config,
+    write_jsonl,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
@@ -92,11 +97,7 @@ def test_one_ranks_failure_is_an_error_on_every_rank(target, data, tmp_path):
 
 
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(target, data, tmp_path, one_rank):
-    options = dataclasses.asdict(precompute_config(target, data, tmp_path / "cache", shard_max_rows=2))
-    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
-    options["data"] = [str(p) for p in options["data"]]
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "5"], env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    killed = killed_precompute(precompute_config(target, data, tmp_path / "cache", shard_max_rows=2), 5)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     shards = tmp_path / "cache" / "shards"
     assert not (tmp_path / "cache" / "manifest.json").exists()

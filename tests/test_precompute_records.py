@@ -6,11 +6,8 @@ regenerating run resumes to the same shards."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -21,10 +18,9 @@ from dflash.precompute.run import run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache
 from tests.builders import (
-    KILLED_RUN,
     RECORDS,
-    SUBPROCESS_ENV as ENV,
     build_target,
+    killed_precompute,
     precompute_config as config,
     write_jsonl,
 )
@@ -93,11 +89,7 @@ def test_regenerated_basis_run_killed_then_resumed_writes_the_same_shards(target
     data = write_jsonl(tmp_path / "chat.jsonl", RECORDS)
     settings = dict(regenerate=True, max_new_tokens=6, **BASIS)
     run_precompute(config(target, data, tmp_path / "whole", **settings))
-    options = dataclasses.asdict(config(target, data, tmp_path / "cache", **settings))
-    options = {k: (str(v) if k in ("target", "out") else v) for k, v in options.items()}
-    options["data"] = [str(p) for p in options["data"]]
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), "3"], env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    killed = killed_precompute(config(target, data, tmp_path / "cache", **settings), 3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = run_precompute(config(target, data, tmp_path / "cache", **settings))
     assert resumed.resumed_sequences >= 2  # the first shard survived the kill
