@@ -151,7 +151,7 @@ def prompts(target: Path, records: Path):
     """The records' prompts rendered with the target's chat template, as `eval --online` does."""
     from transformers import AutoTokenizer
 
-    from dflash.train.evaluate import load_prompts
+    from dflash.train.online import load_prompts
 
     found, rejected = load_prompts(records, AutoTokenizer.from_pretrained(target), limit=NUM_PROMPTS)
     assert not rejected, rejected
