@@ -6,7 +6,8 @@ one row is a matrix-vector product that streams the weight once; with a few rows
 `F.linear(x, W)` (x [M, K], W [N, K]) can take a GEMM path that is much slower per call. This
 bench times, for the embedded default's shapes (SmolLM2-135M: hidden 576, MLP 1536, the tied
 49,152-row head), `F.linear(x, W)` against the same product written `(W @ x.T).T`, and the
-whole target forward over a KV cache for 1 and 4 query tokens with each form, and reports
+whole target forward over a KV cache for 1 and 4 query tokens plain and inside the decoding
+loops' `decoding_linear` (train/speculative.py), and reports
 the largest difference between the two forms' outputs (they sum in another order).
 
     python -m bench.small_m_matmul                 # synthetic shapes only
@@ -48,17 +49,6 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@contextlib.contextmanager
-def linear_as(fn):
-    """Every nn.Linear forward (and F.linear) computed by `fn` inside the block."""
-    saved = F.linear
-    torch.nn.functional.linear = fn
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = saved
-
-
 def matmul_rows(repeats: int) -> list[dict]:
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -78,12 +68,15 @@ def forward_rows(target_dir: str, repeats: int, context: int = 64) -> list[dict]
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, context))
     rows = []
-    for form, fn in (("linear", F.linear), ("transposed", transposed_linear)):
+    from dflash.train.speculative import decoding_linear
+
+    for form, decoding in (("linear", False), ("rows_linear", True)):
         for m in (1, 4):
             block = torch.randint(0, model.config.vocab_size, (1, m))
 
-            def step(fn=fn, block=block, m=m):
-                with torch.inference_mode(), linear_as(fn):
+            def step(decoding=decoding, block=block, m=m):
+                routed = decoding_linear(torch.device("cpu")) if decoding else contextlib.nullcontext()
+                with torch.inference_mode(), routed:
                     kv = DynamicCache(config=model.config)
                     model(prompt, past_key_values=kv, use_cache=True)
                     t0 = time.perf_counter()
