@@ -25,6 +25,8 @@ import platform
 import time
 from pathlib import Path
 
+import torch
+
 from bench.tau import Job, format_table, run_jobs, summarize
 
 # label -> fit overrides (flat FitConfig keys) over DEMO_FIT (whose loss is kl). The loss and
@@ -42,6 +44,69 @@ VARIANTS: dict[str, dict] = {
     "more data (kl+ce)": KL_CE,  # on --more-data's cache: more regenerated conversations, the same steps
 }
 MORE_DATA = "more data (kl+ce)"
+
+# The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
+# that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
+DEMO_V2 = {**KL_CE, "block_size": 4}
+COPY_LAYER = 28  # the target layer a copy-init drafter starts as (see copy_target_layer)
+VARIANTS.update({
+    "demo (block 4)": DEMO_V2,
+    "flat norm": {**DEMO_V2, "norm_init": "flat"},
+    "zero out": {**DEMO_V2, "out_init": "zero"},
+    "flat start": {**DEMO_V2, "norm_init": "flat", "out_init": "zero"},
+    f"copy layer {COPY_LAYER}": {**DEMO_V2, "init_from": f"copy-layer-{COPY_LAYER}"},
+    "noise 0.05": {**DEMO_V2, "feature_noise": 0.05},
+    "noise 0.2": {**DEMO_V2, "feature_noise": 0.2},
+    "gamma 8": {**DEMO_V2, "decay_gamma": 8.0},
+    "ce weight 1": {**DEMO_V2, "ce_weight": 1.0},
+    "2 layers": {**DEMO_V2, "num_layers": 2},
+    "800 steps": {**DEMO_V2, "max_steps": 800},
+    "1024 tokens/step": {**DEMO_V2, "tokens_per_step": 1024},
+    "8 anchors/seq": {**DEMO_V2, "anchors_per_seq": 8},
+})
+
+
+def copy_target_layer(target: Path, cache: Path, layer: int, out: Path) -> Path:
+    """A one-layer drafter folder (z-lab's layout, float32) that starts as the target's own
+    decoder layer `layer`, for `fit --init-from` (the warm start's loading path).
+
+    fc copies the feature slot of target layer `layer - 1`'s output (it must be one of the
+    cache's feature layers) and zeroes the others; hidden_norm and the layer's input norm take
+    the copied layer's input norm, the final norm the target's. So the copied layer's keys and
+    values over the context are the target's own at that layer (up to the drafter's q/k
+    norms, which Llama targets lack: they start at ones), and its attention and MLP write in
+    the basis the target's head reads. On a basis cache the warm start unfolds fc (bounded by
+    the basis's truncation). Reused when `out` exists.
+    """
+    from safetensors import safe_open
+
+    from dflash.train.export import write_export
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    if out.exists():
+        return out
+    config = DrafterConfig.from_target(cache / "target", num_hidden_layers=1, block_size=DEMO_V2["block_size"])
+    if layer - 1 not in config.target_layer_ids:
+        raise SystemExit(f"copy layer {layer}: its input, layer {layer - 1}'s output, is not among the cache's "
+                         f"feature layers {config.target_layer_ids}")
+    slot = config.target_layer_ids.index(layer - 1)
+    drafter = DFlashDrafter(config)
+    H = config.hidden_size
+    with safe_open(str(target / "model.safetensors"), "pt") as weights, torch.no_grad():
+        def tensor(name: str) -> torch.Tensor:
+            return weights.get_tensor(name).float()
+
+        prefix = f"model.layers.{layer}."
+        state = {name: tensor(prefix + name) for name in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")}
+        drafter.layers[0].load_state_dict(state, strict=False)  # q_norm / k_norm stay ones
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, slot * H:(slot + 1) * H] = torch.eye(H)
+        drafter.hidden_norm.weight.copy_(state["input_layernorm.weight"])
+        drafter.norm.weight.copy_(tensor("model.norm.weight"))
+    return write_export(drafter, out, dtype=torch.float32)
 
 
 def main() -> None:
@@ -93,6 +158,12 @@ def main() -> None:
     report = {"date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, "
                          f"load average {os.getloadavg()[0]:.1f} at start"}
+
+    for label in chosen:  # the copy-init sources, built once into WORK
+        source = VARIANTS[label].get("init_from")
+        if source and source.startswith("copy-layer-"):
+            path = copy_target_layer(args.target, args.cache, int(source.rsplit("-", 1)[1]), args.work / source)
+            VARIANTS[label] = {**VARIANTS[label], "init_from": str(path)}
 
     def job(label: str, seed: int) -> Job:
         if label == MORE_DATA:

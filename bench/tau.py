@@ -71,7 +71,8 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
                                  limit=online_prompts, max_new_tokens=max_new_tokens, device="cpu", save=False),
                       show_progress=False)
     live = online["online"]
-    return {"key": job.key, "label": job.label, "cache": Path(job.cache).name, "overrides": job.overrides,
+    start = start_figures(run)
+    return {**start, "key": job.key, "label": job.label, "cache": Path(job.cache).name, "overrides": job.overrides,
             "seed": job.seed, "fit_s": fit_s, "threads": threads,
             "offline_tau": offline["acceptance_length"], "num_anchors": offline["num_anchors"],
             "replay_tau": offline["replay_acceptance_length"],
@@ -79,6 +80,21 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
             "online_offline_tau": online["acceptance_length"], "lossless": live["lossless"],
             "num_prompts": live["num_prompts"],
             "speed_ratio": live["tokens_per_s"] / live["baseline_tokens_per_s"]}
+
+
+PLATEAU_ACCURACY = 0.3  # first-position accuracy that marks the end of the first-steps plateau
+PLATEAU_WINDOW = 10  # steps the accuracy is averaged over (one step's 128 blocks are noisy)
+
+
+def start_figures(run: Path) -> dict:
+    """From RUN/metrics.jsonl: the first step's loss (the untrained drafter's), and the first
+    step at which the mean first-position accuracy of the last PLATEAU_WINDOW steps reaches
+    PLATEAU_ACCURACY (None: never)."""
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    first = [s["accuracy"][0] or 0.0 for s in steps]
+    plateau = next((steps[i]["step"] for i in range(PLATEAU_WINDOW - 1, len(steps))
+                    if sum(first[i - PLATEAU_WINDOW + 1:i + 1]) / PLATEAU_WINDOW >= PLATEAU_ACCURACY), None)
+    return {"initial_loss": steps[0]["loss"], "plateau_step": plateau}
 
 
 def run_jobs(jobs: list[Job], work: Path, *, target: Path, prompts: Path, online_prompts: int = 20,
@@ -122,7 +138,9 @@ def summarize(jobs: list[Job], records: dict[str, dict], baseline: str | None = 
     for label, rows in by_label.items():
         entry: dict[str, Any] = {"label": label, "seeds": [r["seed"] for r in rows],
                                  "lossless": all(r["lossless"] for r in rows),
-                                 "fit_s": statistics.fmean(r["fit_s"] for r in rows)}
+                                 "fit_s": statistics.fmean(r["fit_s"] for r in rows),
+                                 "initial_loss": [r.get("initial_loss") for r in rows],
+                                 "plateau_step": [r.get("plateau_step") for r in rows]}
         for key in METRICS:
             values = [r[key] for r in rows]
             entry[key] = {"mean": statistics.fmean(values),
@@ -147,10 +165,21 @@ def format_table(summary: list[dict], title: str, baseline: str | None = None) -
     against = f"the {baseline} row" if baseline else "the first row"
     lines = [title + f" (mean +- half-range over seeds; (x%): mean per-seed change against {against})",
              f"{'':<24} {'seeds':<6} {'offline':>24} {'replayed':>24} {'online':>24} {'spec/greedy':>11} "
-             f"{'lossless':>8} {'fit s':>6}"]
+             f"{'lossless':>8} {'fit s':>6} {'loss@1':>7} {'acc>=0.3 at':>14}"]
     for entry in summary:
         lines.append(f"{entry['label']:<24} {','.join(map(str, entry['seeds'])):<6} {cell(entry, 'offline_tau'):>24} "
                      f"{cell(entry, 'replay_tau'):>24} {cell(entry, 'online_tau'):>24} "
                      f"{entry['speed_ratio']['mean']:>10.2f}x {'yes' if entry['lossless'] else 'NO':>8} "
-                     f"{entry['fit_s']:>6.0f}")
+                     f"{entry['fit_s']:>6.0f} {_mean_text(entry.get('initial_loss'), '.1f'):>7} "
+                     f"{_steps_text(entry.get('plateau_step')):>14}")
     return lines
+
+
+def _mean_text(values: list | None, spec: str) -> str:
+    known = [v for v in values or [] if v is not None]
+    return format(statistics.fmean(known), spec) if known else "-"
+
+
+def _steps_text(values: list | None) -> str:
+    """Per-seed plateau ends, e.g. "60/70/-" ("-": never reached)."""
+    return "/".join("-" if v is None else str(v) for v in values) if values else "-"

@@ -216,3 +216,26 @@ def test_rows_linear_is_linear_and_only_inside_decoding(rows):
         assert F.linear is rows_linear
         assert torch.allclose(layer(x), rows_linear(x, layer.weight, layer.bias), rtol=0, atol=0)
     assert F.linear is before
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_rows_linear_keeps_the_form_it_timed_and_both_forms_are_linear(transposed):
+    import torch.nn.functional as F
+
+    from dflash.train import speculative
+
+    torch.manual_seed(1)
+    x, weight = torch.randn(2, 3, 37), torch.randn(517, 37)  # 6 rows
+    key = (6, 517, 37, torch.float32, torch.float32)
+    speculative._TRANSPOSED_FASTER.pop(key, None)
+    speculative.rows_linear(x, weight)
+    assert isinstance(speculative._TRANSPOSED_FASTER[key], bool)  # timed once, remembered
+    speculative._TRANSPOSED_FASTER[key] = transposed
+    try:
+        out = speculative.rows_linear(x, weight)
+        expected = (x.double() @ weight.double().T).float()
+        assert out.shape == (2, 3, 517) and torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+        if not transposed:
+            assert torch.equal(out, F.linear(x, weight))
+    finally:
+        speculative._TRANSPOSED_FASTER.pop(key, None)

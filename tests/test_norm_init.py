@@ -1,5 +1,6 @@
-"""`fit --norm-init target`: the drafter's final norm starts as the target's, which stage one
-stores in CACHE/target/head.safetensors as the per-channel scale the target's norm applies."""
+"""The drafter's start: `fit --norm-init target` (the final norm starts as the target's, which
+stage one stores in CACHE/target/head.safetensors as the per-channel scale the target's norm
+applies), `--norm-init flat`, `--out-init zero`; and `--feature-noise`'s draws."""
 
 from pathlib import Path
 
@@ -82,3 +83,44 @@ def test_norm_init_target_on_a_cache_without_the_norm_is_a_clear_error(tmp_path)
     assert TargetHead.load(path / "target").final_norm is None
     with pytest.raises(ValueError, match=r"head\.safetensors holds no norm\.weight .*--norm-init ones"):
         initial_norm(path, tmp_path / "run", norm_init="target")
+
+
+def initial_state(cache_dir: Path, out: Path, **overrides) -> dict[str, torch.Tensor]:
+    fit(tiny_fit_config(cache_dir, out, anchors_per_seq=6, max_steps=1, checkpoint_every=100, save_initial=True,
+                        **overrides))
+    return load_file(list_checkpoints(out)[0] / "model.safetensors")
+
+
+@pytest.mark.e2e  # fits
+def test_flat_norm_and_zero_out_start_as_documented(cache_dir, tmp_path):
+    normal = initial_state(cache_dir, tmp_path / "normal")
+    flat = initial_state(cache_dir, tmp_path / "flat", norm_init="flat", out_init="zero")
+    hidden = normal["norm.weight"].shape[0]
+    assert torch.equal(flat["norm.weight"], torch.full((hidden,), hidden ** -0.5))
+    zeroed = [name for name in flat if name.endswith(("o_proj.weight", "down_proj.weight"))]
+    assert len(zeroed) == 2 * sum(1 for name in flat if name.endswith("q_proj.weight")) > 0
+    for name, tensor in flat.items():
+        if name in zeroed:
+            assert not tensor.any() and normal[name].std() > 0.01, name
+        elif name != "norm.weight":  # every other weight is drawn as without the options (same seed)
+            assert torch.equal(tensor, normal[name]), name
+
+
+def test_feature_noise_is_bounded_and_drawn_from_seed_and_step():
+    from dflash.train.fit import feature_noise
+
+    x = torch.randn(50, 16, dtype=torch.bfloat16)
+    a = feature_noise(x, 0.05, seed=3, step=7)
+    assert a.dtype == x.dtype and a.shape == x.shape
+    delta = a.float() - x.float()
+    assert delta.abs().max() <= 0.05 + 0.02 * x.float().abs().max()  # bf16 rounding of x + noise
+    assert torch.equal(a, feature_noise(x, 0.05, seed=3, step=7))  # a resume redraws the same
+    assert not torch.equal(a, feature_noise(x, 0.05, seed=3, step=8))
+    noise = feature_noise(torch.zeros(4000), 0.2, seed=0, step=0)
+    assert noise.abs().max() <= 0.2 and 0.18 < noise.abs().max() and abs(float(noise.mean())) < 0.01
+
+
+@pytest.mark.parametrize("option", [{"norm_init": "flat"}, {"out_init": "zero"}])
+def test_init_options_and_init_from_exclude_each_other(cache_dir, tmp_path, option):
+    with pytest.raises(ValueError, match="and init_from exclude each other"):
+        tiny_fit_config(cache_dir, tmp_path / "run", init_from=str(tmp_path), **option)

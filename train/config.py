@@ -52,11 +52,16 @@ class ModelConfig:
     """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
     tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
     pad or bos token)."""
-    norm_init: Literal["ones", "target"] = "ones"
-    """The final norm's initial weight: ones, or target (the target's final norm, which the
+    norm_init: Literal["ones", "target", "flat"] = "ones"
+    """The final norm's initial weight: ones; target (the target's final norm, which the
     drafter's output shares the target's LM head with; needs `norm.weight` in the cache's
     target/head.safetensors, which stage one writes for every codec when the target's final
-    norm is an RMSNorm)."""
+    norm is an RMSNorm); or flat (1/sqrt(hidden_size): the normed output has norm 1, not
+    sqrt(hidden_size), so the untrained drafter's logits are near uniform instead of peaked
+    on its input token's own row of a tied head)."""
+    out_init: Literal["normal", "zero"] = "normal"
+    """Initial o_proj and down_proj weights: normal (as every other linear), or zero (each
+    decoder layer starts as the identity on the block's residual stream)."""
 
     def __post_init__(self) -> None:
         if self.num_layers is not None:
@@ -79,9 +84,16 @@ class DataConfig:
     """Block tokens (anchors x block size) per optimizer step, over all ranks together."""
     seed: int = 0
     """Seed of the initial weights, the epoch permutations, anchors and the held-out set."""
+    feature_noise: float = 0.0
+    """Uniform noise in [-a, a] added to every context feature fc reads, in training only (in
+    the cache's units: standardised coefficients on a basis cache). vllm-project/speculators
+    adds 0.05 to the target's hidden states for every algorithm. Drawn from (seed, step), so a
+    resumed run draws what the uninterrupted one did."""
 
     def __post_init__(self) -> None:
         _positive(self, "anchors_per_seq", "epochs", "tokens_per_step")
+        if not self.feature_noise >= 0:
+            raise ValueError(f"fit config: feature_noise must be >= 0, got {self.feature_noise}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"fit config: max_steps must be >= 1 (or unset), got {self.max_steps}")
 
@@ -215,9 +227,12 @@ class FitConfig:
         self.out = _absolute(self.out)
         if self.init_from is not None:
             self.init_from = _absolute(self.init_from)
-            if self.model.norm_init == "target":
-                raise ValueError("fit config: norm_init target and init_from exclude each other (the source's "
-                                 "final norm is loaded): drop --norm-init target")
+            if self.model.norm_init != "ones":
+                raise ValueError(f"fit config: norm_init {self.model.norm_init} and init_from exclude each other "
+                                 f"(the source's final norm is loaded): drop --norm-init {self.model.norm_init}")
+            if self.model.out_init != "normal":
+                raise ValueError("fit config: out_init zero and init_from exclude each other (the source's "
+                                 "o_proj and down_proj are loaded): drop --out-init zero")
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
         if self.data.tokens_per_step % self.model.block_size:

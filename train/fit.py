@@ -218,6 +218,9 @@ def _train(run: Run) -> None:
             group["lr"] = lr
         # Global label weight first, so every rank scales its summed loss the same way.
         weight_sum = _all_reduce(batch.weights.sum().double(), run.world_size)
+        if config.data.feature_noise:
+            batch = dataclasses.replace(batch, context_features=feature_noise(
+                batch.context_features, config.data.feature_noise, config.data.seed * 64 + run.rank, step))
         loss_sum, argmax = forward_loss(run, batch, layout)
         (loss_sum * (run.world_size / weight_sum).float()).backward()
         # Read the next step's rows now: CUDA kernels run asynchronously, so the read
@@ -301,13 +304,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     model = DFlashDrafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
-    if config.model.norm_init == "target":
-        if head.final_norm is None:
-            raise ValueError(f"--norm-init target: {caches[0].target_dir / 'head.safetensors'} holds no norm.weight "
-                             "(a cache written before the target's final norm was stored); rebuild the cache with "
-                             "dflash-precompute, or use --norm-init ones")
-        with torch.no_grad():
-            model.norm.weight.copy_(head.final_norm)
+    _initial_weights(model, config.model, head, caches[0].target_dir)
     resume_from = latest_checkpoint(run_dir)
     if source is not None and resume_from is None:  # weights only: optimizer, schedule and data order start fresh
         warm_start(model, load_state(source), source.config, where=source.weights,
@@ -340,6 +337,32 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                model=model, wrapped=wrapped, parallel_kind=parallel_kind, head=head, optimizer=optimizer,
                gate=gate, writer=writer, logger=logger, step=step,
                last_checkpoint=str(resume_from) if resume_from else None)
+
+
+def _initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead, target_dir: Path) -> None:
+    """Apply --norm-init and --out-init to a freshly initialised drafter (a warm start then
+    overwrites every weight, and a resume loads its checkpoint)."""
+    with torch.no_grad():
+        if config.norm_init == "target":
+            if head.final_norm is None:
+                raise ValueError(f"--norm-init target: {target_dir / 'head.safetensors'} holds no norm.weight "
+                                 "(a cache written before the target's final norm was stored); rebuild the cache "
+                                 "with dflash-precompute, or use --norm-init ones")
+            model.norm.weight.copy_(head.final_norm)
+        elif config.norm_init == "flat":
+            model.norm.weight.fill_(model.config.hidden_size ** -0.5)
+        if config.out_init == "zero":
+            for layer in model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
+
+def feature_noise(features: torch.Tensor, amplitude: float, seed: int, step: int) -> torch.Tensor:
+    """features + U[-amplitude, amplitude], drawn from (seed, step) on the CPU (the same on
+    every device, and again on resume)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    noise = torch.rand(features.shape, generator=generator, dtype=torch.float32)
+    return (features.float() + noise.mul_(2 * amplitude).sub_(amplitude).to(features.device)).to(features.dtype)
 
 
 def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterConfig, fingerprint: str | None,

@@ -33,13 +33,17 @@ target's top-1 minus top-2 logit margin at that step, so a mismatch can be judge
 of 1e-6 is a tie, a margin of 1 is a bug). Run the target in float32 for the lossless check.
 
 Speed on CPU: a product with a few rows, `F.linear(x, W)` with x [M, K] and M = 2..16 (the
-verify forward's block, the drafter's B - 1 head rows), takes a GEMM path that costs 2-4x the
-one-row product per call (SmolLM2's 49,152-row head: 37 ms at 2-8 rows against 15 ms at one;
-`python -m bench.small_m_matmul`), while `(W @ x.T).T` streams the weight once (10 ms at 2-4
-rows). Both loops here (speculative and plain greedy, so the baseline gets it too) compute
-nn.Linear that way on CPU for up to `SMALL_ROWS` rows (`rows_linear`). The sum runs in another
-order, so logits move in the last bits (5e-5 at most there), as they already differ between a
-B-token verify and a one-token step; at one row the two forms are the same product.
+verify forward's block, the drafter's B - 1 head rows), can take a GEMM path that costs 2-4x
+the one-row product per call, while `(W @ x.T).T` streams the weight once; which form is faster
+depends on the CPU and its BLAS (`python -m bench.small_m_matmul`): on one 2-core sandbox
+SmolLM2's 49,152-row head took 37 ms at 2-8 rows through F.linear against 10 ms transposed,
+on another (a Xeon with AMX) the transposed form made the 4-token verify forward 2x slower.
+So both loops here (speculative and plain greedy, so the baseline gets it too) time the two
+forms once per shape (rows, weight shape, dtype) on first use and keep the faster
+(`rows_linear`, up to `SMALL_ROWS` rows; the eval's untimed warm-up meets the shapes first).
+The sums run in another order, so logits move in the last bits (5e-5 at most there), as they
+already differ between a B-token verify and a one-token step; at one row the two forms are the
+same product.
 
 What this file trades off: it keeps the drafter behind a tiny `Proposer` interface (reset,
 commit features, propose a block) so the loop is tested with oracle and always-wrong
@@ -63,17 +67,42 @@ from dflash.shards import hidden_state_index
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 
 SMALL_ROWS = 16
-"""Up to this many rows, decoding on CPU computes linear layers as (W @ x.T).T."""
+"""Up to this many rows, decoding on CPU picks the faster of F.linear and (W @ x.T).T."""
 _TORCH_LINEAR = F.linear
+_TRANSPOSED_FASTER: dict[tuple, bool] = {}
+"""(rows, N, K, dtype) -> whether (W @ x.T).T beat F.linear when first timed in this process."""
+
+
+def _time_ms(fn, repeats: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _transposed(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ x2d.T).T
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear ([..., K] x [N, K] -> [..., N]) as (W @ x.T).T when x has 2..SMALL_ROWS rows on
-    the CPU (one pass over the weight); otherwise F.linear itself."""
+    """F.linear ([..., K] x [N, K] -> [..., N]); with 2..SMALL_ROWS rows on the CPU, through
+    whichever of F.linear and (W @ x.T).T was faster for this shape when first met (both are
+    timed then, a few milliseconds per shape)."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
         return _TORCH_LINEAR(x, weight, bias)
-    out = (weight @ x.reshape(rows, x.shape[-1]).T).T  # [rows, N]
+    x2d = x.reshape(rows, x.shape[-1])
+    key = (rows, *weight.shape, x.dtype, weight.dtype)
+    faster = _TRANSPOSED_FASTER.get(key)
+    if faster is None:
+        faster = _TRANSPOSED_FASTER[key] = (_time_ms(lambda: _transposed(x2d, weight))
+                                            < _time_ms(lambda: _TORCH_LINEAR(x2d, weight)))
+    if not faster:
+        return _TORCH_LINEAR(x, weight, bias)
+    out = _transposed(x2d, weight)  # [rows, N]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
