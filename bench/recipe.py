@@ -61,6 +61,8 @@ VARIANTS.update({
     "ce weight 1": {**DEMO_V2, "ce_weight": 1.0},
     "2 layers": {**DEMO_V2, "num_layers": 2},
     "800 steps": {**DEMO_V2, "max_steps": 800},
+    "1200 steps": {**DEMO_V2, "max_steps": 1200},
+    "1600 steps": {**DEMO_V2, "max_steps": 1600},
     "1024 tokens/step": {**DEMO_V2, "tokens_per_step": 1024},
     "8 anchors/seq": {**DEMO_V2, "anchors_per_seq": 8},
 })
