@@ -65,6 +65,9 @@ VARIANTS.update({
     "1600 steps": {**DEMO_V2, "max_steps": 1600},
     "1024 tokens/step": {**DEMO_V2, "tokens_per_step": 1024},
     "8 anchors/seq": {**DEMO_V2, "anchors_per_seq": 8},
+    "all tokens": {**DEMO_V2, "train_on": "all"},
+    "all tokens, 800 steps": {**DEMO_V2, "train_on": "all", "max_steps": 800},
+    "all tokens, 2 layers, 800 steps": {**DEMO_V2, "train_on": "all", "num_layers": 2, "max_steps": 800},
 })
 
 

@@ -132,6 +132,24 @@ def test_labels_every_anchor(anchor, monkeypatch):
     assert batch.context_features.shape == (anchor, L * H)
 
 
+def test_training_on_all_tokens_anchors_and_labels_prompt_positions_too():
+    """--train-on all: every position 1..T-2 may anchor, and every a+k < T is labelled."""
+    B, T = 4, 12
+    mask = mask_of(T, 3, gaps=[7])
+    replies, everything = Corpus([HandCache([mask])]), Corpus([HandCache([mask])], all_tokens=True)
+    assert replies.num_eligible.tolist() == [eligible_anchors(mask).shape[0]]
+    assert everything.num_eligible.tolist() == [T - 2]
+    assert replies.fingerprint() != everything.fingerprint()  # a stored anchor index is not reused across them
+    batch = read_batch(everything, [Segment(0, 0, T - 2)], stream=0, plan_anchors=T - 2, seed=0, block_size=B,
+                       gamma=7.0, mask_token_id=99)
+    (_, anchors), = batch.segments
+    np.testing.assert_array_equal(anchors, np.arange(1, T - 1))  # prompt positions 1, 2 included
+    expected = [(a, k) for a in anchors for k in range(1, B) if a + k < T]  # position 7 (masked) too
+    got = list(zip(anchors[batch.label_rows.numpy() // B], batch.label_positions.numpy()))
+    assert got == expected
+    np.testing.assert_array_equal(batch.topk_ids[:, 0].numpy(), [50 + a + k - 1 for a, k in expected])
+
+
 def test_batch_rows_across_segments():
     B = 4
     masks = [mask_of(10, 2), mask_of(9, 4)]

@@ -84,6 +84,12 @@ class DataConfig:
     """Block tokens (anchors x block size) per optimizer step, over all ranks together."""
     seed: int = 0
     """Seed of the initial weights, the epoch permutations, anchors and the held-out set."""
+    train_on: Literal["replies", "all"] = "replies"
+    """Which positions anchor blocks and carry labels: replies (the cache's loss mask: the
+    target's own tokens, as at inference), or all (every token, prompts and template included:
+    the cached top-k exists at every position, so this is more distillation signal from the
+    same cache at no stage-one cost; the labels at prompt positions are the target's
+    predictions of text it did not write). Evaluation scores replies either way."""
     feature_noise: float = 0.0
     """Uniform noise in [-a, a] added to every context feature fc reads, in training only (in
     the cache's units: standardised coefficients on a basis cache). vllm-project/speculators

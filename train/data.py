@@ -233,10 +233,12 @@ class Corpus:
     """
 
     def __init__(self, caches: list, index_dir: Path | None = None, *, rank: int = 0, world_size: int = 1,
-                 combine: Callable[[np.ndarray], np.ndarray] | None = None, progress: bool = False):
+                 combine: Callable[[np.ndarray], np.ndarray] | None = None, progress: bool = False,
+                 all_tokens: bool = False):
         if not caches:
             raise ValueError("no cache given: pass at least one --cache")
         self.caches = caches
+        self.all_tokens = all_tokens  # anchors and labels at every token, not the loss mask's only
         self.spec = caches[0].spec
         for cache in caches[1:]:
             check_compatible(self.spec, cache.spec, cache)
@@ -263,7 +265,14 @@ class Corpus:
         parts = [{"identity": c.spec.identity(), "num_sequences": len(c),
                   "lengths_sha256": hashlib.sha256(np.asarray(c.lengths, np.int64).tobytes()).hexdigest()}
                  for c in self.caches]
+        if self.all_tokens:
+            parts.append({"all_tokens": True})
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    def training_mask(self, loss_mask: np.ndarray) -> np.ndarray:
+        """The mask anchors and labels are drawn from: the loss mask, or every token."""
+        mask = np.asarray(loss_mask, dtype=bool)
+        return np.ones_like(mask) if self.all_tokens else mask
 
     def _eligible_counts(self, index_dir: Path | None, rank: int, world_size: int,
                          combine: Callable[[np.ndarray], np.ndarray] | None, progress: bool) -> np.ndarray:
@@ -283,7 +292,7 @@ class Corpus:
             mine = tqdm(mine, desc="counting anchors (first start)", unit="seq", unit_scale=True, mininterval=2)
         for s in mine:
             cache, index = self.locate(s)
-            counts[s] = eligible_anchors(cache.loss_mask(index)).shape[0]  # ~1 byte/token read
+            counts[s] = eligible_anchors(self.training_mask(cache.loss_mask(index))).shape[0]  # ~1 byte/token
         if world_size > 1:
             counts = np.asarray(combine(counts), dtype=np.int64)
         if path is not None and rank == 0:
@@ -388,7 +397,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
     for seg in segments:
         cache, index = corpus.locate(seg.sequence)
         raw = cache.raw(index)
-        loss_mask = np.asarray(raw.loss_mask, dtype=bool)  # [T]
+        loss_mask = corpus.training_mask(raw.loss_mask)  # [T]
         T = loss_mask.shape[0]
         anchors = draw_anchors(loss_mask, plan_anchors, seed, stream, seg.sequence)[seg.first:seg.first + seg.count]
         assert anchors.shape[0] == seg.count, "the plan's anchor count disagrees with the row"

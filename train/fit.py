@@ -279,7 +279,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     # index rank 0 stored then.
     corpus = Corpus(caches, index_dir=run_dir, rank=rank, world_size=world_size,
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
-                    progress=is_main)
+                    progress=is_main, all_tokens=config.data.train_on == "all")
     source = resolve_source(run_dir, config.init_from)  # None: from scratch; refuses another source than the run's
     model_config, drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model, source)
     if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
