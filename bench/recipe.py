@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict] = {
     "more data (kl+ce)": KL_CE,  # on --more-data's cache: more regenerated conversations, the same steps
 }
 MORE_DATA = "more data (kl+ce)"
+MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps"}  # trained on --more-data's cache
 
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
@@ -67,7 +68,8 @@ VARIANTS.update({
     "8 anchors/seq": {**DEMO_V2, "anchors_per_seq": 8},
     "all tokens": {**DEMO_V2, "train_on": "all"},
     "all tokens, 800 steps": {**DEMO_V2, "train_on": "all", "max_steps": 800},
-    "all tokens, 2 layers, 800 steps": {**DEMO_V2, "train_on": "all", "num_layers": 2, "max_steps": 800},
+    "3x data (block 4)": DEMO_V2,  # on --more-data's cache, as MORE_DATA
+    "3x data + 1200 steps": {**DEMO_V2, "max_steps": 1200},
 })
 
 
@@ -152,10 +154,10 @@ def main() -> None:
         parser.error(f"--baseline: unknown {baseline!r}; choose from {list(VARIANTS)}")
     if baseline not in chosen:
         chosen.insert(0, baseline)  # every variant is read against it
-    if MORE_DATA in chosen and args.more_data is None:
+    if MORE_DATA_ROWS & set(chosen) and args.more_data is None:
         if args.variants != "all":
-            parser.error(f"--variants '{MORE_DATA}' needs --more-data CACHE")
-        chosen.remove(MORE_DATA)
+            parser.error(f"--variants {sorted(MORE_DATA_ROWS & set(chosen))} need --more-data CACHE")
+        chosen = [label for label in chosen if label not in MORE_DATA_ROWS]
     if args.more_data is not None and args.more_data_prompts is None:
         parser.error("--more-data needs --more-data-prompts (the prompts file it was built from)")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -171,7 +173,7 @@ def main() -> None:
             VARIANTS[label] = {**VARIANTS[label], "init_from": str(path)}
 
     def job(label: str, seed: int) -> Job:
-        if label == MORE_DATA:
+        if label in MORE_DATA_ROWS:
             return Job(label, str(args.more_data), seed, VARIANTS[label], prompts=str(args.more_data_prompts))
         return Job(label, str(args.cache), seed, VARIANTS[label])
 
