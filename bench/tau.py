@@ -66,6 +66,7 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
     fit_s = time.perf_counter() - began
     torch.manual_seed(0)
     offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
+    trained = run_eval(EvalConfig(run=str(run), device="cpu", save=False, split="train"), show_progress=False)
     online = run_eval(EvalConfig(run=str(run), cache=job.cache, online=True, target=target,
                                  prompts=job.prompts or prompts,
                                  limit=online_prompts, max_new_tokens=max_new_tokens, device="cpu", save=False),
@@ -76,6 +77,7 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
             "seed": job.seed, "fit_s": fit_s, "threads": threads,
             "offline_tau": offline["acceptance_length"], "num_anchors": offline["num_anchors"],
             "replay_tau": offline["replay_acceptance_length"],
+            "train_tau": trained["acceptance_length"],  # the same figure on the sequences it trained on
             "online_tau": live["acceptance_length"], "online_replay_tau": online["replay_acceptance_length"],
             "online_offline_tau": online["acceptance_length"], "lossless": live["lossless"],
             "num_prompts": live["num_prompts"],

@@ -290,3 +290,19 @@ def test_prompt_indices_are_stage_ones_despite_unicode_line_separators(tmp_path)
     assert rejected == []
     assert [(p.source["index"], "".join(map(chr, p.token_ids))) for p in prompts] == [
         (1, "user:first held out\nassistant:"), (2, "user:second held out\nassistant:")]
+
+
+def test_train_split_is_the_complement_of_the_held_out_set(tmp_path):
+    from dflash.train.data import held_out_mask
+    from dflash.train.evaluate import held_out_selection
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    path = tmp_path / "cache"
+    write_synthetic_training_cache(path, lengths=[30 + i for i in range(20)], seed=1)
+    fit_config = {"cache": [str(path)], "eval_fraction": 0.25, "seed": 3}
+    (_, held), = held_out_selection(fit_config, None)
+    (_, trained), = held_out_selection(fit_config, None, "train")
+    assert held == np.flatnonzero(held_out_mask(20, 0.25, 3)).tolist() and held
+    assert sorted(held + trained) == list(range(20)) and not set(held) & set(trained)
+    (_, trained_of_cache), = held_out_selection(fit_config, path, "train")  # the run's cache named: its share
+    assert trained_of_cache == trained

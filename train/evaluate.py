@@ -9,7 +9,8 @@ puts the results together:
   an exported one), read by `dflash.train.run_folder.load_drafter`;
 - the sequences (`held_out_selection`): by default the run's held-out set (`held_out_mask`
   over its caches with its seed and eval_fraction, as fit drew it); a `--cache` of the run
-  gives its share, another cache all of its sequences; the cache must fit the drafter (layer
+  gives its share, another cache all of its sequences (`--split train`: the sequences fit
+  trained on instead of the held-out ones); the cache must fit the drafter (layer
   ids, sizes, feature codec and basis) and, unless `--allow-target-mismatch`, come from the
   run's target;
 - online with a cache (`sources_in_file`), the prompt records behind exactly the evaluated
@@ -63,6 +64,10 @@ class EvalConfig:
     """Cache for the offline figures: one of the run's caches (its held-out sequences are used)
     or another cache (all its sequences). Unset: the held-out sequences of all the run's caches
     (offline mode), or no offline figures (online mode)."""
+    split: Literal["held-out", "train"] = "held-out"
+    """Which of the run's sequences: held-out (the set fit held out), or train (the ones it
+    trained on: a drafter that scores far higher there than held out memorises its data and
+    wants more of it; bench/RESULTS.md "recipe")."""
     online: bool = False
     """Run real speculative decoding against the target."""
     target: str | None = None
@@ -111,13 +116,14 @@ class EvalConfig:
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
-def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None) -> list[tuple[Any, list[int]]]:
+def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None,
+                       split: str = "held-out") -> list[tuple[Any, list[int]]]:
     """[(open cache, sequence indices)] to evaluate.
 
     The held-out set is the run's (`held_out_mask` over the concatenation of its caches, with
-    its seed and eval_fraction). `cache_path` that is one of the run's caches gives its share
-    of the held-out set; another cache gives all its sequences; None gives every run cache's
-    share.
+    its seed and eval_fraction); split "train" takes its complement instead. `cache_path`
+    that is one of the run's caches gives its share of that set; another cache gives all its
+    sequences; None gives every run cache's share.
     """
     from dflash.shards import open_cache
     from dflash.train.data import held_out_mask
@@ -133,6 +139,8 @@ def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None
                              "with its current location to evaluate all of its sequences")
         opened.append(open_cache(path))
     held = held_out_mask(sum(len(c) for c in opened), float(fit_config["eval_fraction"]), int(fit_config["seed"]))
+    if split == "train":
+        held = ~held
     selection, offset = [], 0
     for path, cache in zip(run_caches, opened):
         indices = np.flatnonzero(held[offset:offset + len(cache)]).tolist()
@@ -228,7 +236,7 @@ def _select(config: EvalConfig, loaded) -> tuple[list[tuple[Any, list[int]]], se
     selection: list[tuple[Any, list[int]]] = []
     if config.cache is not None or not config.online:
         if loaded.fit_config is not None:
-            selection = held_out_selection(loaded.fit_config, config.cache)
+            selection = held_out_selection(loaded.fit_config, config.cache, config.split)
         else:
             from dflash.shards import open_cache
 
