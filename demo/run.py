@@ -10,7 +10,7 @@ trained drafter offline and online (real speculative decoding against the target
 (default `.demo/` in the repository); a rerun reuses what is there: the prepared target and
 prompts, the finished cache, the finished run.
 
-The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 4, a
+The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 3, a
 few hundred one-exchange conversations whose replies the target regenerates greedily. The
 loss dominates training time on CPU (every labelled position scores all 49,152 vocabulary
 rows), so the demo trains for a fixed number of steps rather than epochs.
@@ -49,21 +49,17 @@ class DemoConfig:
     """Basis codecs: coefficients per token (0: the target's hidden size)."""
     num_layers: int = 1
     """Drafter decoder layers."""
-    block_size: int = 4
-    """Draft block size. 4 here, not the recipe's 16: a drafter this small and this briefly
-    trained rarely has more than 2 tokens accepted, and smaller blocks put every step's
-    tokens where acceptance happens (online tau +9% over 8 on average, better on each of 3
-    seeds; 16: -23%; bench/RESULTS.md "recipe")."""
-    decode_block_size: int = 3
-    """Block size of the online decoding (eval --block-size): the drafter trains with
-    block_size and drafts decode_block_size - 1 tokens per verify. On CPU a verify costs more
-    per token it checks (SmolLM2 on 2 cores: 35 ms for 1 token, 55 ms for 4), so with the
-    acceptance a demo-sized drafter reaches, checking fewer drafts is faster: block 3 gave
-    1.09x plain greedy where 4 gave 0.90x on the same drafter (bench/RESULTS.md "recipe")."""
+    block_size: int = 3
+    """Draft block size: the anchor and 2 drafts per verify. Small, not the recipe's 16: a drafter
+    this small and this briefly trained rarely has more than 2 tokens accepted, and on CPU a
+    verify costs more per token it checks (SmolLM2 on 2 cores: 35 ms for 1 token, 55 ms for
+    4), so checking fewer drafts is faster. On one drafter, decoding with block 3 ran 1.09x
+    plain greedy where block 4 ran 0.90x; training at 3 beat a block-4 drafter decoding at 3
+    (bench/RESULTS.md "recipe"; block 8: -9% online against 4, 16: -23%)."""
     anchors_per_seq: int = 32
     """Blocks drawn per sequence per epoch."""
-    tokens_per_step: int = 512
-    """Block tokens per optimizer step."""
+    tokens_per_step: int = 510
+    """Block tokens per optimizer step (170 blocks of 3)."""
     max_steps: int = 400
     """Training steps."""
     lr: float = 1e-3
@@ -77,9 +73,6 @@ class DemoConfig:
     instead of in-process `dflash-precompute --regenerate`."""
 
     def __post_init__(self) -> None:
-        if not 2 <= self.decode_block_size <= self.block_size:
-            raise ValueError(f"decode_block_size must be in [2, block_size = {self.block_size}], "
-                             f"got {self.decode_block_size}")
         if self.num_conversations * self.eval_fraction < 1:
             raise ValueError("num_conversations x eval_fraction must be >= 1 so that some prompts are held out")
 
@@ -186,8 +179,7 @@ def main() -> None:
     # those prompts' cached sequences, side by side with the online figure.
     paired = run(evaluate + ["--checkpoint", str(final), "--online", "--target", str(target),
                              "--prompts", str(data), "--limit", str(config.online_prompts),
-                             "--max-new-tokens", str(config.max_new_tokens),
-                             "--block-size", str(config.decode_block_size)], capture_json=True)
+                             "--max-new-tokens", str(config.max_new_tokens)], capture_json=True)
     info = run([bin_path("dflash-shards"), "info", "--json", str(cache)], capture_json=True)
     from dflash.shards.report import format_info
 
@@ -209,7 +201,7 @@ def main() -> None:
           f"{steps[-1]['loss']:.3f}")
     print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
           f"({after['num_anchors']:,} held-out anchors, block {config.block_size})")
-    print(f"  tau online   {online['acceptance_length']:.3f} at block {config.decode_block_size} over "
+    print(f"  tau online   {online['acceptance_length']:.3f} at block {config.block_size} over "
           f"{online['num_prompts']} held-out prompts (replayed from the cache on the same prompts "
           f"{paired['replay_acceptance_length']:.3f}); lossless: {'yes' if online['lossless'] else 'NO'}")
     print(f"  speed        {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "
