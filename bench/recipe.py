@@ -11,6 +11,12 @@ by mean and spread.
     python -m bench.recipe --cache .demo/cache --target .demo/smollm2-135m-instruct \\
         --prompts .demo/chitchat.jsonl --work /tmp/recipe [--variants kl,ce] [--workers 2] [--json]
 
+The rows of 2026-12-02 (afternoon) change one thing against `demo (block 4)` (DEMO_V2: the
+demo's settings that morning) on the demo's basis-fp8 cache: the start (`--norm-init flat`,
+`--out-init zero`, the target's layer 28 copied in through `--init-from`, see
+`copy_target_layer`), feature noise, gamma, `--train-on all`, layers, steps, block 3, and 3x
+the data (`--more-data`); read them with `--baseline "demo (block 4)"`.
+
 Shares WORK/tau.jsonl with bench/feature_codecs.py: point both at one WORK (and the bf16
 cache of that bench) and the kl baseline runs once.
 """
