@@ -76,7 +76,7 @@ VARIANTS.update({
     # 170 blocks a step (512 is not a multiple of 3)
     "block 3": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510},
     # The demo's settings since 2026-12-02 (afternoon), on its 512-conversation cache (--cache).
-    "demo (block 3, 800 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 800},
+    "demo (block 3 / 800 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 800},
     "3x data (block 4)": DEMO_V2,  # on --more-data's cache, as MORE_DATA
     "3x data + 1200 steps": {**DEMO_V2, "max_steps": 1200},
 })
