@@ -124,3 +124,17 @@ def test_feature_noise_is_bounded_and_drawn_from_seed_and_step():
 def test_init_options_and_init_from_exclude_each_other(cache_dir, tmp_path, option):
     with pytest.raises(ValueError, match="and init_from exclude each other"):
         tiny_fit_config(cache_dir, tmp_path / "run", init_from=str(tmp_path), **option)
+
+
+@pytest.mark.e2e  # fits
+def test_feature_noise_changes_training_and_a_rerun_repeats_it(cache_dir, tmp_path):
+    def losses(out: Path, **overrides) -> list[float]:
+        fit(tiny_fit_config(cache_dir, out, anchors_per_seq=6, max_steps=3, checkpoint_every=100, **overrides))
+        import json
+
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    clean = losses(tmp_path / "clean")
+    noisy = losses(tmp_path / "noisy", feature_noise=0.5)
+    assert noisy[0] != clean[0]  # the first step already sees the noise
+    assert losses(tmp_path / "again", feature_noise=0.5) == noisy  # drawn from (seed, step)
