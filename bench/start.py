@@ -42,7 +42,9 @@ STARTS = {
 def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_weight: float = 0.5) -> list[dict]:
     from dflash.kernels import sparse_kl_loss
     from dflash.shards import open_cache
+    from dflash.train.config import ModelConfig
     from dflash.train.data import Corpus, Segment, decay_gamma, read_batch
+    from dflash.train.fit import initial_weights
     from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, TargetHead
 
     cache = open_cache(cache_dir)
@@ -70,15 +72,8 @@ def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_w
             continue
         torch.manual_seed(seed)  # fit seeds the initial weights with the data seed
         model = DFlashDrafter(config)
+        initial_weights(model, ModelConfig(**start), head, target_dir)  # what fit applies
         with torch.no_grad():
-            if start.get("norm_init") == "flat":
-                model.norm.weight.fill_(config.hidden_size ** -0.5)
-            elif start.get("norm_init") == "target":
-                model.norm.weight.copy_(head.final_norm)
-            if start.get("out_init") == "zero":
-                for layer in model.layers:
-                    layer.self_attn.o_proj.weight.zero_()
-                    layer.mlp.down_proj.weight.zero_()
             hidden = model(head.embed(batch.block_ids).float(), batch.context_features.float(), layout)
             out = hidden[batch.label_rows].float()  # [N, H]
             loss = sparse_kl_loss(out, head.lm_head.float(), batch.topk_ids, batch.topk_logprobs, batch.weights,

@@ -110,13 +110,14 @@ def test_feature_noise_is_bounded_and_drawn_from_seed_and_step():
     from dflash.train.fit import feature_noise
 
     x = torch.randn(50, 16, dtype=torch.bfloat16)
-    a = feature_noise(x, 0.05, seed=3, step=7)
+    a = feature_noise(x, 0.05, seed=3, rank=0, step=7)
     assert a.dtype == x.dtype and a.shape == x.shape
     delta = a.float() - x.float()
     assert delta.abs().max() <= 0.05 + 0.02 * x.float().abs().max()  # bf16 rounding of x + noise
-    assert torch.equal(a, feature_noise(x, 0.05, seed=3, step=7))  # a resume redraws the same
-    assert not torch.equal(a, feature_noise(x, 0.05, seed=3, step=8))
-    noise = feature_noise(torch.zeros(4000), 0.2, seed=0, step=0)
+    assert torch.equal(a, feature_noise(x, 0.05, seed=3, rank=0, step=7))  # a resume redraws the same
+    assert not torch.equal(a, feature_noise(x, 0.05, seed=3, rank=0, step=8))
+    assert not torch.equal(a, feature_noise(x, 0.05, seed=3, rank=1, step=7))  # each rank its own draw
+    noise = feature_noise(torch.zeros(4000), 0.2, seed=0, rank=0, step=0)
     assert noise.abs().max() <= 0.2 and 0.18 < noise.abs().max() and abs(float(noise.mean())) < 0.01
 
 

@@ -57,8 +57,9 @@ class ModelConfig:
     drafter's output shares the target's LM head with; needs `norm.weight` in the cache's
     target/head.safetensors, which stage one writes for every codec when the target's final
     norm is an RMSNorm); or flat (1/sqrt(hidden_size): the normed output has norm 1, not
-    sqrt(hidden_size), so the untrained drafter's logits are near uniform instead of peaked
-    on its input token's own row of a tied head)."""
+    sqrt(hidden_size), so the untrained drafter's logits are near uniform; at norm
+    sqrt(hidden_size) an output along the mask token's embedding meets head rows that share
+    its direction and every logit is large, `python -m bench.start`)."""
     out_init: Literal["normal", "zero"] = "normal"
     """Initial o_proj and down_proj weights: normal (as every other linear), or zero (each
     decoder layer starts as the identity on the block's residual stream)."""
@@ -89,7 +90,8 @@ class DataConfig:
     target's own tokens, as at inference), or all (every token, prompts and template included:
     the cached top-k exists at every position, so this is more distillation signal from the
     same cache at no stage-one cost; the labels at prompt positions are the target's
-    predictions of text it did not write). Evaluation scores replies either way."""
+    predictions of text it did not write). fit's held-out loss follows it; `dflash-train
+    eval` scores replies either way."""
     feature_noise: float = 0.0
     """Uniform noise in [-a, a] added to every context feature fc reads, in training only (in
     the cache's units: standardised coefficients on a basis cache). vllm-project/speculators

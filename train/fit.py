@@ -220,7 +220,7 @@ def _train(run: Run) -> None:
         weight_sum = _all_reduce(batch.weights.sum().double(), run.world_size)
         if config.data.feature_noise:
             batch = dataclasses.replace(batch, context_features=feature_noise(
-                batch.context_features, config.data.feature_noise, config.data.seed * 64 + run.rank, step))
+                batch.context_features, config.data.feature_noise, seed=config.data.seed, rank=run.rank, step=step))
         loss_sum, argmax = forward_loss(run, batch, layout)
         (loss_sum * (run.world_size / weight_sum).float()).backward()
         # Read the next step's rows now: CUDA kernels run asynchronously, so the read
@@ -304,7 +304,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     model = DFlashDrafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
-    _initial_weights(model, config.model, head, caches[0].target_dir)
+    initial_weights(model, config.model, head, caches[0].target_dir)
     resume_from = latest_checkpoint(run_dir)
     if source is not None and resume_from is None:  # weights only: optimizer, schedule and data order start fresh
         warm_start(model, load_state(source), source.config, where=source.weights,
@@ -339,7 +339,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                last_checkpoint=str(resume_from) if resume_from else None)
 
 
-def _initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead, target_dir: Path) -> None:
+def initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead, target_dir: Path) -> None:
     """Apply --norm-init and --out-init to a freshly initialised drafter (a warm start then
     overwrites every weight, and a resume loads its checkpoint)."""
     with torch.no_grad():
@@ -357,12 +357,13 @@ def _initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead
                 layer.mlp.down_proj.weight.zero_()
 
 
-def feature_noise(features: torch.Tensor, amplitude: float, seed: int, step: int) -> torch.Tensor:
-    """features + U[-amplitude, amplitude], drawn from (seed, step) on the CPU (the same on
-    every device, and again on resume)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    noise = torch.rand(features.shape, generator=generator, dtype=torch.float32)
-    return (features.float() + noise.mul_(2 * amplitude).sub_(amplitude).to(features.device)).to(features.dtype)
+def feature_noise(features: torch.Tensor, amplitude: float, *, seed: int, rank: int, step: int) -> torch.Tensor:
+    """features + U[-amplitude, amplitude], drawn on the features' device from a generator
+    seeded by (seed, rank, step): a resumed run draws what the uninterrupted one did."""
+    state = int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
+    generator = torch.Generator(device=features.device).manual_seed(state)
+    noise = torch.rand(features.shape, generator=generator, dtype=torch.float32, device=features.device)
+    return (features.float() + noise.mul_(2 * amplitude).sub_(amplitude)).to(features.dtype)
 
 
 def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterConfig, fingerprint: str | None,

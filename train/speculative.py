@@ -70,7 +70,7 @@ SMALL_ROWS = 16
 """Up to this many rows, decoding on CPU picks the faster of F.linear and (W @ x.T).T."""
 _TORCH_LINEAR = F.linear
 _TRANSPOSED_FASTER: dict[tuple, bool] = {}
-"""(rows, N, K, dtype) -> whether (W @ x.T).T beat F.linear when first timed in this process."""
+"""(rows, N, K, x dtype, W dtype) -> whether (W @ x.T).T beat F.linear when first timed in this process."""
 
 
 def _time_ms(fn, repeats: int = 3) -> float:
