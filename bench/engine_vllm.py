@@ -3,16 +3,26 @@ vLLM and the standard library, never dflash.
 
     ENGINE_PYTHON bench/engine_vllm.py JOB.json OUT.json
 
-JOB: {"target": folder, "prompts": [[ids...]...], "max_tokens": n,
-      "cases": [{"name": str, "speculative_config": dict | null}, ...]}
-OUT: {"cases": [{"name", "start_s", "decode_s", "resolved": {"rope_theta", "dflash_config"},
-      "outputs": [{"tokens", "per_step_accepted", "per_step_drafted"}...]} or {"name", "error"}]}
+JOB: {"cases": [{"name": str, "target": folder, "speculative_config": dict | null,
+                 "max_tokens": n, "prompts": [[ids...]...] | null,
+                 "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
+                 "modes": ["batched", "single"]}, ...]}
+OUT: {"cases": [{"name", "start_s", "resolved": {"rope_theta", "dflash_config"} | null,
+                 "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
+                 "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
+
+Prompts are token ids, or conversations that vLLM renders itself (`LLM.chat`, the target's
+chat template with `chat_template_kwargs`, as its OpenAI server renders a request): then the
+ids it rendered come back, to be checked against dflash's. Modes: "batched" decodes every
+prompt in one `generate` call, "single" one prompt at a time (the batch-1 speed). Each engine
+first decodes one untimed warm-up request.
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
 with per-request detailed spec-decode metrics (the ordered accepted-draft count per verify).
-An engine that fails to start or to decode is recorded as the case's error, and the next
-case still runs.
+The caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core runs in this process and
+a start after the first costs seconds instead of about a minute. An engine that fails to
+start or to decode is recorded as the case's error, and the next case still runs.
 """
 
 from __future__ import annotations
@@ -23,14 +33,25 @@ import sys
 import time
 
 
-def run_case(job: dict, case: dict) -> dict:
+def _output(out) -> dict:
+    completion = out.outputs[0]
+    metrics = completion.spec_decode_metrics
+    return {"prompt_token_ids": list(out.prompt_token_ids),
+            "tokens": list(completion.token_ids),
+            "per_step_accepted": list(metrics.per_step_accepted) if metrics else None,
+            "per_step_drafted": list(metrics.per_step_drafted) if metrics else None}
+
+
+def run_case(case: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    messages, prompts = case.get("messages"), case.get("prompts")
+    count = len(messages if messages is not None else prompts)
     t0 = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
-    llm = LLM(model=job["target"], dtype="float32", enforce_eager=True, seed=0,
-              max_model_len=job.get("max_model_len", 512), max_num_seqs=len(job["prompts"]),
+    llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=0,
+              max_model_len=case.get("max_model_len", 512), max_num_seqs=max(count, 1),
               speculative_config=case["speculative_config"], **metrics)
     start_s = time.perf_counter() - t0
     resolved = None
@@ -40,24 +61,29 @@ def run_case(job: dict, case: dict) -> dict:
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         resolved = {"rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
                     "dflash_config": getattr(hf, "dflash_config", None)}
+
+    def decode(indices: list[int], max_tokens: int) -> list:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+        if messages is not None:
+            return llm.chat([messages[i] for i in indices], params, use_tqdm=False,
+                            chat_template_kwargs=case.get("chat_template_kwargs") or None)
+        return llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in indices], params, use_tqdm=False)
+
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], detokenize=False)
-        t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
-        decode_s = time.perf_counter() - t0
-        outputs = []
-        for out in outs:
-            completion = out.outputs[0]
-            metrics = completion.spec_decode_metrics
-            outputs.append({"tokens": list(completion.token_ids),
-                            "per_step_accepted": list(metrics.per_step_accepted) if metrics else None,
-                            "per_step_drafted": list(metrics.per_step_drafted) if metrics else None})
+        decode([0], 4)  # warm-up: the first request of an engine pays for allocations
+        runs = {}
+        for mode in case.get("modes", ["batched"]):
+            t0 = time.perf_counter()
+            if mode == "batched":
+                outs = decode(list(range(count)), case["max_tokens"])
+            else:
+                outs = [out for i in range(count) for out in decode([i], case["max_tokens"])]
+            runs[mode] = {"decode_s": time.perf_counter() - t0, "outputs": [_output(out) for out in outs]}
     finally:
         llm.llm_engine.engine_core.shutdown()
-        del llm
+        llm = None  # the engine's memory goes before the next case's engine starts
         gc.collect()
-    return {"name": case["name"], "start_s": start_s, "decode_s": decode_s, "resolved": resolved,
-            "outputs": outputs}
+    return {"name": case["name"], "start_s": start_s, "resolved": resolved, "runs": runs}
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -65,7 +91,7 @@ def main(job_path: str, out_path: str) -> None:
     results = []
     for case in job["cases"]:
         try:
-            results.append(run_case(job, case))
+            results.append(run_case(case))
         except Exception as error:  # noqa: BLE001 - the engine refused the drafter: that is the case's result
             results.append({"name": case["name"], "error": f"{type(error).__name__}: {error}"[:2000]})
         print(f"engine case {case['name']}: {'error' if 'error' in results[-1] else 'done'}", flush=True)

@@ -50,7 +50,8 @@ VARIANTS: dict[str, dict] = {
     "more data (kl+ce)": KL_CE,  # on --more-data's cache: more regenerated conversations, the same steps
 }
 MORE_DATA = "more data (kl+ce)"
-MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps"}  # trained on --more-data's cache
+# trained on --more-data's cache
+MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x data + 1200 steps (block 3)"}
 
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
@@ -79,6 +80,8 @@ VARIANTS.update({
     "demo (block 3 / 800 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 800},
     "3x data (block 4)": DEMO_V2,  # on --more-data's cache, as MORE_DATA
     "3x data + 1200 steps": {**DEMO_V2, "max_steps": 1200},
+    # The best row's budget with the demo's block 3: a candidate for the demo's defaults.
+    "3x data + 1200 steps (block 3)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200},
 })
 
 

@@ -1,10 +1,16 @@
 """Regeneration throughput on the embedded default's prompts (SmolLM2-135M-Instruct,
 chitchat, CPU, float32, greedy): the server path (dflash-regenerate against a local
-`transformers serve`) at concurrency 1, 2, 4, 8, against stage one's own in-process path (a
-real `dflash-precompute --regenerate` run: prompts batched by length, left-padded,
-`generate`), and the share of server replies identical to the replies that run cached.
+`transformers serve`, and against vLLM's OpenAI server from the engine venv when it is built)
+at each concurrency, against stage one's own in-process path (a real `dflash-precompute
+--regenerate` run: prompts batched by length, left-padded, `generate`), and the share of
+server replies identical to the replies that run cached.
 
-    python -m bench.regenerate [--num-prompts 24] [--max-new-tokens 48] [--threads 1] [--json]
+    python -m bench.regenerate [--num-prompts 24] [--max-new-tokens 48] [--threads 1]
+                               [--concurrency 1,2,4,8] [--servers transformers,vllm] [--json]
+
+vLLM's server (bench/engine_venv.sh; $DFLASH_ENGINE_VENV names another venv) runs in float32
+with its default CPU threads (all cores); its rows are left out, with the reason printed, when
+the engine venv is not built.
 
 The in-process rows: "generate" times stage one's generation calls only (its summary's
 generate_s, the work the server does), "whole run" the whole dflash-precompute run (target
@@ -63,6 +69,32 @@ def in_process(target: Path, data: Path, out: Path, args: argparse.Namespace) ->
     return timing, [replies[i] for i in sorted(replies)]
 
 
+def server_rows(path: str, url: str, data: Path, reference: list[str], out_dir: Path,
+                args: argparse.Namespace) -> list[dict]:
+    """dflash-regenerate against the server at `url`, warmed by one request, at each
+    concurrency of args.concurrency: one row each."""
+    from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
+
+    stem = path.replace(" ", "-")
+    run_regenerate(RegenerateConfig(data=[data], out=out_dir / f"{stem}-warmup.jsonl", servers=[url], limit=1,
+                                    progress=False, max_new_tokens=args.max_new_tokens))
+    rows = []
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        out = out_dir / f"{stem}-{concurrency}.jsonl"
+        summary = run_regenerate(RegenerateConfig(data=[data], out=out, servers=[url], progress=False,
+                                                  max_new_tokens=args.max_new_tokens, concurrency=concurrency))
+        records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+        replies = [r["messages"][-1]["content"] for r in records]
+        assert len(replies) == len(reference), (len(replies), len(reference))
+        rate = summary.to_dict()
+        rows.append({"path": path, "concurrency": concurrency, "records_per_s": rate["records_per_s"],
+                     "new_tokens_per_s": rate["new_tokens_per_s"], "seconds": summary.wall_s,
+                     "new_tokens": summary.new_tokens, "cut": summary.cut_replies,
+                     "identical": sum(a == b for a, b in zip(replies, reference)) / len(reference)})
+        print(f"  {path} at concurrency {concurrency}: {summary.wall_s:.1f} s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=24)
@@ -71,6 +103,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of both sides (1: on a shared CPU more threads spin on busy cores)")
+    parser.add_argument("--servers", default="transformers,vllm",
+                        help="server paths to time: transformers (transformers serve), vllm (vLLM's OpenAI server)")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".demo")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -78,9 +112,9 @@ def main() -> None:
 
     import torch
 
+    from bench.engine_check import engine_venv
     from demo.prepare import prepare_smollm2
     from dflash.precompute.local_server import local_server
-    from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 
     torch.set_num_threads(args.threads)
     target = prepare_smollm2(args.work_dir)
@@ -94,23 +128,16 @@ def main() -> None:
             rows.append({"path": path, "concurrency": None, "records_per_s": timing["records"] / seconds,
                          "new_tokens_per_s": timing["new_tokens"] / seconds, "seconds": seconds,
                          "new_tokens": timing["new_tokens"], "cut": timing["cut"], "identical": 1.0})
-        with local_server(target, threads=args.threads, log=tmp / "serve.log") as url:
-            run_regenerate(RegenerateConfig(data=[data], out=tmp / "warmup.jsonl", servers=[url], limit=1,
-                                            progress=False, max_new_tokens=args.max_new_tokens))
-            for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                out = tmp / f"out{concurrency}.jsonl"
-                summary = run_regenerate(RegenerateConfig(
-                    data=[data], out=out, servers=[url], progress=False,
-                    max_new_tokens=args.max_new_tokens, concurrency=concurrency))
-                records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-                replies = [r["messages"][-1]["content"] for r in records]
-                assert len(replies) == len(reference), (len(replies), len(reference))
-                same = sum(a == b for a, b in zip(replies, reference)) / len(reference)
-                rate = summary.to_dict()
-                rows.append({"path": "transformers serve", "concurrency": concurrency,
-                             "records_per_s": rate["records_per_s"], "new_tokens_per_s": rate["new_tokens_per_s"],
-                             "seconds": summary.wall_s, "new_tokens": summary.new_tokens,
-                             "cut": summary.cut_replies, "identical": same})
+        servers = args.servers.split(",")
+        if "transformers" in servers:
+            with local_server(target, threads=args.threads, log=tmp / "serve.log") as url:
+                rows += server_rows("transformers serve", url, data, reference, tmp, args)
+        venv = engine_venv()
+        if "vllm" in servers and not (venv / ".dflash-engine-ready").is_file():
+            print(f"no vLLM rows: the engine venv {venv} is not built (bash bench/engine_venv.sh {venv})")
+        elif "vllm" in servers:
+            with local_server(target, vllm_python=venv / "bin" / "python", log=tmp / "vllm.log") as url:
+                rows += server_rows("vLLM server", url, data, reference, tmp, args)
     print(f"{args.num_prompts} chitchat prompts, {args.max_new_tokens} new tokens at most, greedy, float32, "
           f"{args.threads} torch thread(s) per side")
     print(f"{'path':<22} {'conc.':>5} {'seconds':>8} {'records/s':>10} {'new tok':>8} {'new tok/s':>10} "

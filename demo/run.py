@@ -74,6 +74,15 @@ class DemoConfig:
     server: bool = False
     """Regenerate the replies through a local `transformers serve` and dflash-regenerate
     instead of in-process `dflash-precompute --regenerate`."""
+    vllm_server: bool = False
+    """As --server, through vLLM's OpenAI server from the engine venv (built when absent, about
+    6 minutes): on 8 demo prompts it regenerated 5x faster than in-process `generate` at
+    concurrency 8, identical replies (bench/RESULTS.md "regenerate"); not the default, because
+    a fresh clone would first install vLLM."""
+    engine_check: bool = False
+    """After the summary, decode the same held-out prompts in vLLM's CPU build with the exported
+    drafter (bench/engine_check.py: lossless, vLLM's per-step acceptance against dflash's, speeds
+    at batch 1 and batched); builds the engine venv (.venv-engine, about 6 minutes) when absent."""
 
     def __post_init__(self) -> None:
         if self.num_conversations * self.eval_fraction < 1:
@@ -146,14 +155,17 @@ def main() -> None:
 
     cache, run_dir = work / "cache", work / "run"
     regenerate = ["--regenerate", "--max-new-tokens", str(config.max_new_tokens)]
-    if config.server:  # the same replies from a serving engine; the cache is built from its output
+    if config.server or config.vllm_server:  # the same replies from a serving engine; the cache is built from them
         from dflash.precompute.local_server import local_server
 
-        cache, run_dir = work / "cache-server", work / "run-server"
-        regenerated = work / "chitchat.regenerated.jsonl"
-        with local_server(target, log=work / "serve.log") as url:
+        name = "vllm" if config.vllm_server else "server"
+        cache, run_dir = work / f"cache-{name}", work / f"run-{name}"
+        regenerated = work / ("chitchat.regenerated-vllm.jsonl" if config.vllm_server else "chitchat.regenerated.jsonl")
+        options = {"vllm_python": engine_venv_ready() / "bin" / "python"} if config.vllm_server else {}
+        with local_server(target, log=work / f"{name}.log", **options) as url:
             run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
-                 "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "4", "--json"])
+                 "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "16" if options else "4",
+                 "--json"])
         data, regenerate = regenerated, []
     precompute = run([
         bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(cache),
@@ -212,6 +224,26 @@ def main() -> None:
     print(f"  wall time    {time.monotonic() - started:,.0f} s")
     if not online["lossless"] or after["acceptance_length"] <= before["acceptance_length"]:
         sys.exit("demo FAILED: online decoding was not lossless or training did not raise tau")
+    if config.engine_check:
+        engine_check(config, run_dir=run_dir, target=target, data=data, cache=cache)
+
+
+def engine_venv_ready() -> Path:
+    """The vLLM engine venv ($DFLASH_ENGINE_VENV, else .venv-engine), built first when absent."""
+    venv = Path(os.environ.get("DFLASH_ENGINE_VENV") or REPO / ".venv-engine")
+    if not (venv / ".dflash-engine-ready").is_file():
+        run(["bash", str(REPO / "bench" / "engine_venv.sh"), str(venv)])
+    return venv
+
+
+def engine_check(config: DemoConfig, *, run_dir: Path, target: Path, data: Path, cache: Path) -> None:
+    """bench/engine_check.py on the demo's run (its exit status fails the demo when vLLM
+    disagrees with dflash)."""
+    print("\n== engine check: vLLM's CPU build decodes the held-out prompts with the exported drafter", flush=True)
+    venv = engine_venv_ready()
+    run([sys.executable, "-m", "bench.engine_check", "--run", str(run_dir), "--target", str(target),
+         "--prompts", str(data), "--cache", str(cache), "--limit", str(config.online_prompts),
+         "--max-new-tokens", str(config.max_new_tokens), "--engine-venv", str(venv)])
 
 
 if __name__ == "__main__":
