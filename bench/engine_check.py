@@ -216,13 +216,15 @@ class Prompts:
     token_ids: list[list[int]]
     messages: list[list[dict[str, str]]]
     chat_template_kwargs: dict[str, Any]
+    chat_template: str | None  # a template stage one was given (--chat-template), else the tokenizer's
     indices: list[int]
 
 
-def load_check_prompts(target: Path, records: Path, cache: Path, *, keep: set[int] | None = None,
+def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep: set[int] | None = None,
                        limit: int | None = None) -> Prompts:
     """`records`' prompts (the indices in `keep`, else the first `limit`) rendered as
-    `eval --online` renders them with `cache`'s recorded template settings."""
+    `eval --online` renders them: with `cache`'s recorded template settings, or with the
+    tokenizer's template alone when no cache is given."""
     from transformers import AutoTokenizer
 
     from dflash.shards import open_cache
@@ -230,9 +232,10 @@ def load_check_prompts(target: Path, records: Path, cache: Path, *, keep: set[in
     from dflash.train.chat_template import resolve_template_settings
     from dflash.train.online import load_prompts
 
-    opened = open_cache(cache)
+    opened = None if cache is None else open_cache(cache)
     kwargs, template = resolve_template_settings(opened, None, None)
-    opened.close()
+    if opened is not None:
+        opened.close()
     found, rejected = load_prompts(records, AutoTokenizer.from_pretrained(target), keep=keep, limit=limit,
                                    chat_template=template, chat_template_kwargs=kwargs)
     if rejected:
@@ -240,7 +243,7 @@ def load_check_prompts(target: Path, records: Path, cache: Path, *, keep: set[in
     wanted = {p.source["index"] for p in found}
     messages = {r.index: prompt_messages(r.data) for r in iter_records([records]) if r.index in wanted}
     return Prompts(token_ids=[p.token_ids for p in found], messages=[messages[p.source["index"]] for p in found],
-                   chat_template_kwargs=kwargs, indices=[p.source["index"] for p in found])
+                   chat_template_kwargs=kwargs, chat_template=template, indices=[p.source["index"] for p in found])
 
 
 class MarginProposer:
@@ -438,7 +441,7 @@ def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, d
                                          "num_speculative_tokens": block_size - 1}
     return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
             "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
-            "modes": list(modes)}
+            "chat_template": prompts.chat_template, "modes": list(modes)}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -652,12 +655,14 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engine_venv_path: Path,
-                     cache: Path | None = None, limit: int = 20, max_new_tokens: int = 48) -> dict[str, Any]:
+                     cache: Path | None = None, limit: int = 20, max_new_tokens: int = 48,
+                     dtype: str = "bfloat16") -> dict[str, Any]:
     """The check on a trained run (the demo's): `eval --online` on its first `limit` held-out
     prompts (dflash's figures, lossless check and speed at batch 1), the export, dflash's
     greedy tokens on the same prompts, then vLLM: the target alone and with the drafter, each
     one prompt at a time and all at once; checked as the tiny cases are (without near-tie
-    notes: eval does not keep the drafter's margins)."""
+    notes: eval does not keep the drafter's margins, and it decodes the float32 checkpoint
+    where vLLM runs the export in `dtype`)."""
     from dflash.train.evaluate import EvalConfig, load_target, run_eval
     from dflash.train.export import export_run, load_exported
     from dflash.train.speculative import greedy_generate
@@ -668,11 +673,14 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
                                     prompts=str(prompts), limit=limit, max_new_tokens=max_new_tokens, device="cpu",
                                     dtype="float32", save=False), show_progress=False)
     online = evaluated["online"]
-    export = work / f"dflash-{run.name}"
-    if not export.is_dir():
-        export_run(run, export)
+    export = work / f"dflash-{run.name}"  # "dflash" in the name, as vLLM's method guess wants
+    if export.is_dir():  # this check's own folder: exported afresh, the run may have trained on
+        import shutil
+
+        shutil.rmtree(export)
+    export_run(run, export, dtype=dtype)
     block_size = online["block_size"]
-    used_cache = Path(evaluated["caches"][0]["path"]) if evaluated.get("caches") else cache
+    used_cache = Path(evaluated["caches"][0]["path"]) if evaluated.get("caches") else None  # eval's template settings
     check_prompts = load_check_prompts(target, prompts, used_cache,
                                        keep={p["index"] for p in online["per_prompt"]})
     assert check_prompts.indices == [p["index"] for p in online["per_prompt"]], "prompt order"
@@ -750,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, help="with --run: the cache of the held-out prompts (default: the run's)")
     parser.add_argument("--limit", type=int, default=20, help="with --run: held-out prompts to decode")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="with --run: tokens per prompt at most")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="with --run: the export's dtype (export's default: bfloat16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     venv = engine_venv(args.engine_venv)
@@ -759,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or args.run / "engine-check"
         result = run_check_on_run(args.run, target=args.target, prompts=args.prompts, work=work,
                                   engine_venv_path=venv, cache=args.cache, limit=args.limit,
-                                  max_new_tokens=args.max_new_tokens)
+                                  max_new_tokens=args.max_new_tokens, dtype=args.dtype)
         print(format_run_report(result))
         wrong = bool(result["row"]["failures"])
     else:

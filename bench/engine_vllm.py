@@ -6,16 +6,17 @@ vLLM and the standard library, never dflash.
 JOB: {"cases": [{"name": str, "target": folder, "speculative_config": dict | null,
                  "max_tokens": n, "prompts": [[ids...]...] | null,
                  "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
+                 "chat_template": str | null,
                  "modes": ["batched", "single"]}, ...]}
 OUT: {"cases": [{"name", "start_s", "resolved": {"rope_theta", "dflash_config"} | null,
                  "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
                  "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
 
-Prompts are token ids, or conversations that vLLM renders itself (`LLM.chat`, the target's
-chat template with `chat_template_kwargs`, as its OpenAI server renders a request): then the
-ids it rendered come back, to be checked against dflash's. Modes: "batched" decodes every
-prompt in one `generate` call, "single" one prompt at a time (the batch-1 speed). Each engine
-first decodes one untimed warm-up request.
+Prompts are token ids, or conversations that vLLM renders itself (`LLM.chat`: the target's
+chat template, or `chat_template` when given, with `chat_template_kwargs`, as its OpenAI
+server renders a request): then the ids it rendered come back, to be checked against dflash's.
+Modes: "batched" decodes every prompt in one `generate` call, "single" one prompt at a time
+(the batch-1 speed). Each engine first decodes one untimed warm-up request.
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
@@ -66,6 +67,7 @@ def run_case(case: dict) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
         if messages is not None:
             return llm.chat([messages[i] for i in indices], params, use_tqdm=False,
+                            chat_template=case.get("chat_template"),
                             chat_template_kwargs=case.get("chat_template_kwargs") or None)
         return llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in indices], params, use_tqdm=False)
 

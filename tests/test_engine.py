@@ -21,7 +21,15 @@ no engine starts at all.
 
 import pytest
 
-from bench.engine_check import BROKEN, FAMILIES, EngineCheckConfig, format_report, run_engine_check
+from bench.engine_check import (
+    BROKEN,
+    FAMILIES,
+    EngineCheckConfig,
+    format_report,
+    format_run_report,
+    run_check_on_run,
+    run_engine_check,
+)
 from tests.engine_venv import require_engine_venv
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
@@ -30,9 +38,14 @@ GOOD = [f"dflash-{family.name}-{family.dtype}" for family in FAMILIES.values()]
 
 
 @pytest.fixture(scope="module")
-def engine_cases(tmp_path_factory) -> dict[str, dict]:
+def engine_work(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine")
+
+
+@pytest.fixture(scope="module")
+def engine_cases(engine_work) -> dict[str, dict]:
     venv = require_engine_venv()
-    config = EngineCheckConfig(work=tmp_path_factory.mktemp("engine"), engine_venv=venv)
+    config = EngineCheckConfig(work=engine_work, engine_venv=venv)
     try:
         result = run_engine_check(config)
     except RuntimeError as error:
@@ -59,3 +72,19 @@ def test_each_broken_export_fails_the_check(engine_cases, name):
     row = engine_cases[name]
     print("\n".join(row["failures"]))
     assert row["failures"], f"{name}: vLLM agreed with dflash on every step"
+
+
+def test_the_check_on_a_trained_run(engine_cases, engine_work):
+    """`--run` mode (what `demo.run --engine-check` runs) on the Llama kind's run: eval
+    --online's prompts and per-step counts against vLLM, one prompt at a time and batched.
+    A float32 export and the first 2 prompts: eval decodes the float32 checkpoint, and this
+    drafter has a near-tie on prompt 2 that a bfloat16 export tips."""
+    result = run_check_on_run(engine_work / "run-llama-bf16-b4", target=engine_work / "target-llama",
+                              prompts=engine_work / "records.jsonl", work=engine_work / "on-run",
+                              engine_venv_path=require_engine_venv(), limit=2, max_new_tokens=24, dtype="float32")
+    print(format_run_report(result))
+    row = result["row"]
+    assert row["failures"] == [] and result["dflash_online"]["lossless"]
+    assert row["vllm"] == row["dflash"] and row["dflash"]["acceptance_length"] > 1.3
+    assert set(result["vllm_target_alone_tokens_per_s"]) == {"single", "batched"}
+    assert row["vllm_single_tokens_per_s"] > 0 and row["vllm_batched_tokens_per_s"] > 0
