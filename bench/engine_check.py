@@ -124,9 +124,17 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
 ]}
 
 
+ENGINE_READY = ".dflash-engine-ready"  # written into the venv by bench/engine_venv.sh once `import vllm` works
+
+
 def engine_venv(path: str | Path | None = None) -> Path:
     """The engine venv: `path`, else $DFLASH_ENGINE_VENV, else REPO/.venv-engine."""
     return Path(path or os.environ.get(ENGINE_VENV_ENV) or DEFAULT_ENGINE_VENV)
+
+
+def engine_venv_ready(venv: Path) -> bool:
+    """Whether bench/engine_venv.sh finished building `venv`."""
+    return (venv / ENGINE_READY).is_file()
 
 
 # --------------------------------------------------------------------------- dflash side

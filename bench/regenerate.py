@@ -112,7 +112,7 @@ def main() -> None:
 
     import torch
 
-    from bench.engine_check import engine_venv
+    from bench.engine_check import engine_venv, engine_venv_ready
     from demo.prepare import prepare_smollm2
     from dflash.precompute.local_server import local_server
 
@@ -133,7 +133,7 @@ def main() -> None:
             with local_server(target, threads=args.threads, log=tmp / "serve.log") as url:
                 rows += server_rows("transformers serve", url, data, reference, tmp, args)
         venv = engine_venv()
-        if "vllm" in servers and not (venv / ".dflash-engine-ready").is_file():
+        if "vllm" in servers and not engine_venv_ready(venv):
             print(f"no vLLM rows: the engine venv {venv} is not built (bash bench/engine_venv.sh {venv})")
         elif "vllm" in servers:
             with local_server(target, vllm_python=venv / "bin" / "python", log=tmp / "vllm.log") as url:

@@ -232,8 +232,10 @@ def main() -> None:
 
 def engine_venv_ready() -> Path:
     """The vLLM engine venv ($DFLASH_ENGINE_VENV, else .venv-engine), built first when absent."""
-    venv = Path(os.environ.get("DFLASH_ENGINE_VENV") or REPO / ".venv-engine")
-    if not (venv / ".dflash-engine-ready").is_file():
+    from bench.engine_check import engine_venv, engine_venv_ready
+
+    venv = engine_venv()
+    if not engine_venv_ready(venv):
         run(["bash", str(REPO / "bench" / "engine_venv.sh"), str(venv)])
     return venv
 
