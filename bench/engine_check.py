@@ -10,7 +10,9 @@ The first form, all at tiny size on CPU, one case per kind of drafter dflash tra
 (FAMILIES): a Llama-architecture target with tied embeddings (bf16 cache, block 4, bfloat16
 export) and a Qwen3-architecture one with its own head and q/k norms (basis-fp8 cache, so a
 folded fc; block 8; float32 export; a chat template that reads `enable_thinking`, passed
-through stage one's --chat-template-kwargs). Each target is random, built from a config with
+through stage one's --chat-template-kwargs), and the same Qwen3 target with a draft
+vocabulary (`fit --draft-vocab 48` of 104 rows: the export's own `lm_head.weight` and `d2t`;
+bf16 cache, block 4, float32 export). Each target is random, built from a config with
 vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
@@ -114,6 +116,8 @@ class Family:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     broken: tuple[str, ...] = ()
     """Broken copies of this family's export (names of BROKEN) that must fail."""
+    draft_vocab: int | None = None
+    """`fit --draft-vocab`: the drafter's own head of this many rows and its d2t map."""
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
@@ -121,6 +125,8 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
            broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing")),
     Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
+    Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
+           chat_template_kwargs={"enable_thinking": False}, draft_vocab=48, broken=("d2t-zeroed",)),
 ]}
 
 
@@ -212,7 +218,7 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
     if not (run / "checkpoints").is_dir():
         fit(tiny_fit_config(cache, run, block_size=family.block_size, max_steps=max_steps, eval_fraction=0.0,
                             lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
-                            tokens_per_step=384, log_every=100))
+                            tokens_per_step=384, log_every=100, draft_vocab=family.draft_vocab))
     return target, cache, run
 
 
@@ -279,7 +285,7 @@ class MarginProposer:
         logits = inner.head.logits(inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0, 1:])
         top = logits.float().topk(2, dim=-1)  # [B-1, 2]
         self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
-        return top.indices[:, 0].tolist()
+        return inner.head.to_target(top.indices[:, 0]).tolist()
 
 
 def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
@@ -377,12 +383,18 @@ def fc_unfolded(folder: Path, *, run: Path, **_) -> None:
     _edit_weight(folder, "fc.weight", lambda w: trained.to(w.dtype))
 
 
+def d2t_zeroed(folder: Path, **_) -> None:
+    """A draft vocabulary's d2t map all zeros: vLLM reads head row i as token i."""
+    _edit_weight(folder, "d2t", torch.zeros_like)
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
     "wrong-mask-token-id": wrong_mask_token_id,
     "rope-theta-missing": rope_theta_missing,
     "fc-unfolded": fc_unfolded,
+    "d2t-zeroed": d2t_zeroed,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 

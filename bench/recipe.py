@@ -51,7 +51,8 @@ VARIANTS: dict[str, dict] = {
 }
 MORE_DATA = "more data (kl+ce)"
 # trained on --more-data's cache
-MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x data + 1200 steps (block 3)"}
+MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x data + 1200 steps (block 3)",
+                  "draft vocab 4096", "draft vocab 4096 (block 4)"}
 
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
@@ -82,6 +83,11 @@ VARIANTS.update({
     "3x data + 1200 steps": {**DEMO_V2, "max_steps": 1200},
     # The best row's budget with the demo's block 3: a candidate for the demo's defaults.
     "3x data + 1200 steps (block 3)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200},
+    # The 2026-12-02 (night) rows: a draft vocabulary of the 4,096 most frequent reply tokens
+    # (--draft-vocab) on the demo's settings (block 3) and on the best-tau row (block 4).
+    "draft vocab 4096": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200,
+                         "draft_vocab": 4096},
+    "draft vocab 4096 (block 4)": {**DEMO_V2, "max_steps": 1200, "draft_vocab": 4096},
 })
 
 

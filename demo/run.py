@@ -68,6 +68,8 @@ class DemoConfig:
     """Training steps (with 3x the data of 256 conversations, 3x the steps)."""
     lr: float = 1e-3
     """Peak learning rate (higher than the recipe's 6e-4: the demo trains only briefly)."""
+    draft_vocab: int = 0
+    """`fit --draft-vocab`: draft from the N most frequent reply tokens (0: the whole vocabulary)."""
     eval_fraction: float = 0.1
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
@@ -182,6 +184,7 @@ def main() -> None:
         "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
         "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
         "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
+        *(["--draft-vocab", str(config.draft_vocab)] if config.draft_vocab else []),
         "--device", "cpu", "--dtype", "float32", "--save-initial",
     ]
     run(fit_args)  # a finished run is left as it is (fit resumes at its last step: nothing to do)

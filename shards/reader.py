@@ -262,21 +262,30 @@ class Cache:
         Qwen3-8B-sized cache is 20 to 40 KB per token. The mask is not checksummed here;
         reading the row with `raw(i)` later checks it.
         """
+        return self._small_column(i, "loss_mask", "loss mask").view(np.bool_)
+
+    def input_ids(self, i: int) -> np.ndarray:
+        """[T] int32 read-only view of sequence i's token ids, and nothing else of the row
+        (about 4 bytes per token: for scans such as counting a draft vocabulary; not
+        checksummed here, as `loss_mask`)."""
+        return self._small_column(i, "input_ids", "token ids")
+
+    def _small_column(self, i: int, column: str, what: str) -> np.ndarray:
         i, shard, row = self._shard_row(i)
         path = self.shard_paths[shard]
         try:
-            mask = rows.list_values(self._reader(shard).get_batch(row).column("loss_mask"))
+            values = rows.list_values(self._reader(shard).get_batch(row).column(column))
         except (pa.ArrowException, KeyError, ValueError, OSError) as error:
             raise ValueError(
-                f"{path}: cannot read the loss mask of row {row} (sequence {i}): {error}; the shard is "
+                f"{path}: cannot read the {what} of row {row} (sequence {i}): {error}; the shard is "
                 "damaged, run `dflash-shards verify` on the cache and re-run dflash-precompute for it"
             ) from error
-        if mask.size != self.lengths[i]:
+        if values.size != self.lengths[i]:
             raise ValueError(
-                f"{path}: row {row} has a loss mask of {mask.size} tokens, the manifest lists "
+                f"{path}: row {row} has {what} of {values.size} tokens, the manifest lists "
                 f"{self.lengths[i]}; the cache is inconsistent"
             )
-        return mask.view(np.bool_)
+        return values
 
     def close(self) -> None:
         self._open.clear()

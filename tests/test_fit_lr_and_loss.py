@@ -6,6 +6,7 @@ import torch
 
 from dflash.train.config import LossConfig
 from dflash.train.fit import lr_at
+from dflash.train.model import TargetHead
 
 
 @pytest.mark.parametrize("step,expected", [
@@ -28,7 +29,7 @@ def test_loss_matches_materialised_reference(kind, seed):
     q = torch.softmax(torch.randn(N, k + 1), -1)[:, :k]  # a tail of mass q[:, k] left out
     batch = SimpleNamespace(topk_ids=topk_ids, topk_logprobs=q.log(), weights=torch.rand(N))
     config = LossConfig(loss=kind, ce_weight=0.5)
-    loss, argmax = _loss(hidden, weight, batch, config)
+    loss, argmax = _loss(hidden, TargetHead(embed_tokens=weight, lm_head=weight), batch, config)
 
     logp = torch.log_softmax(hidden.double() @ weight.double().T, -1)  # [N, V]
     qd = q.double()

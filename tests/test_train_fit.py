@@ -272,12 +272,14 @@ def _final_state(run: Path) -> tuple[dict, dict]:
     return load_file(str(last / "model.safetensors")), torch.load(last / "optimizer.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_rank(cache_dir, tmp_path, parallel):
-    # 24 blocks per step of 5 per sequence: each rank's 12 blocks end mid-sequence.
-    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5, eval_every=2)
+@pytest.mark.parametrize("parallel,draft_vocab", [("ddp", None), ("fsdp", None), ("fsdp", 24)])
+def test_two_ranks_equal_one_rank(cache_dir, tmp_path, parallel, draft_vocab):
+    # 24 blocks per step of 5 per sequence: each rank's 12 blocks end mid-sequence. With a
+    # draft vocabulary each rank counts half the sample and the counts are summed.
+    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5, eval_every=2,
+                      draft_vocab=draft_vocab)
     two = tiny_config(cache_dir, tmp_path / "two", max_steps=4, anchors_per_seq=5, eval_every=2,
-                      parallel=parallel)
+                      parallel=parallel, draft_vocab=draft_vocab)
     _spawn(1, one)
     _spawn(2, two)
     lines_one = read_lines(tmp_path / "one" / "metrics.jsonl")

@@ -140,6 +140,7 @@ def sequence_acceptance(
     the target's stop tokens; a last reply that does not end with one was cut at the token
     limit, which the replayed decoding respects (`replay_last_reply`).
     """
+    head = head.for_drafter(drafter)  # a draft vocabulary's rows, when it has one
     device = head.embed_tokens.device
     T = int(input_ids.shape[0])
     B = block_size
@@ -164,7 +165,7 @@ def sequence_acceptance(
         hidden = drafter(embeds, flat[:context_length], layout)  # [n*B, H]
         hidden = hidden.view(chunk.shape[0], B, -1)[:, 1:].reshape(-1, hidden.shape[-1])  # [n*(B-1), H]
         drafts[first:first + chunk.shape[0]] = (
-            greedy_tokens(hidden, head.lm_head, argmax_rows).view(chunk.shape[0], B - 1).cpu().numpy())
+            head.to_target(greedy_tokens(hidden, head.lm_head, argmax_rows)).view(chunk.shape[0], B - 1).cpu().numpy())
     matches = (drafts == expected) & scored
     accepted = block_acceptance(matches, scored)
     cut = stop_token_ids is not None and mask.any() and int(input_ids[np.flatnonzero(mask)[-1]]) not in stop_token_ids

@@ -64,7 +64,15 @@ class ModelConfig:
     """Initial o_proj and down_proj weights: normal (as every other linear), or zero (each
     decoder layer starts as the identity on the block's residual stream)."""
 
+    draft_vocab: int | None = None
+    """Draft from the N tokens the training replies use most, not the whole vocabulary: a head
+    of N rows (the target's rows of them, frozen) makes the loss and each draft ~V/N times
+    cheaper; the export adds `lm_head.weight` and `d2t`, which vLLM serves and z-lab's code
+    does not load. None: the target's whole head (train/draft_vocab.py)."""
+
     def __post_init__(self) -> None:
+        if self.draft_vocab is not None:
+            _positive(self, "draft_vocab")
         if self.num_layers is not None:
             _positive(self, "num_layers")
         if self.block_size < 2:

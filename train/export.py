@@ -45,7 +45,7 @@ from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
 from dflash.shards.target_info import TARGET_INFO_FILE
 from dflash.shards.writer import TARGET_DIR
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import LoadedDrafter, eval_results_path, held_out_eval, load_drafter
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -107,6 +107,8 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
+    if config.draft_vocab_size is not None:  # vLLM's DFlash loader: its own head of these rows, and d2t
+        data["draft_vocab_size"] = config.draft_vocab_size
     for key, value in (token_ids or {}).items():
         if value is not None:
             data[key] = value
@@ -157,7 +159,33 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         rope_theta=float(rope_theta),
         max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
         initializer_range=float(data.get("initializer_range", 0.02)),
+        draft_vocab_size=None if data.get("draft_vocab_size") in (None, data["vocab_size"])
+        else int(data["draft_vocab_size"]),
     )
+
+
+def draft_vocab_tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A draft vocabulary under EAGLE-3's names, as vLLM loads them: `lm_head.weight` [V_d, H]
+    in `dtype` and `d2t` [V_d] int64 offsets (target id = draft id + d2t[draft id]); {} without."""
+    if drafter.draft_ids is None:
+        return {}
+    ids = drafter.draft_ids.detach().to("cpu", torch.long)
+    return {"lm_head.weight": drafter.draft_head.detach().to("cpu", dtype).contiguous(),
+            "d2t": (ids - torch.arange(ids.shape[0])).contiguous()}
+
+
+def read_draft_vocab(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """The reverse of `draft_vocab_tensors`: `state` with `lm_head.weight` and `d2t` as the
+    drafter's `draft_head` and `draft_ids` (an export with a draft vocabulary)."""
+    if "d2t" not in state and "lm_head.weight" not in state:
+        return state
+    if "d2t" not in state or "lm_head.weight" not in state:
+        raise ValueError(f"{where}: a draft vocabulary needs both lm_head.weight and d2t, the file has one")
+    state = dict(state)
+    offsets = state.pop("d2t").long()
+    state["draft_ids"] = offsets + torch.arange(offsets.shape[0])
+    state["draft_head"] = state.pop("lm_head.weight")
+    return state
 
 
 def is_exported(path: str | Path) -> bool:
@@ -174,7 +202,8 @@ def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
     path = Path(path)
     config = drafter_config_from_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path / HF_CONFIG_FILE))
     drafter = DFlashDrafter(config)
-    load_weights(drafter, load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE)
+    load_weights(drafter, read_draft_vocab(load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE),
+                 path / HF_WEIGHTS_FILE)
     return drafter.to(device=device, dtype=dtype)
 
 
@@ -219,7 +248,8 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
     state = drafter.state_dict()
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()}
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items() if name not in DRAFT_BUFFERS}
+    tensors.update(draft_vocab_tensors(drafter, dtype))
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)
     with atomic_dir(out) as tmp:
         try:
@@ -272,8 +302,11 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "with dflash from an offline target cache. It drafts a block of "
         f"{c.block_size} tokens (the last committed token and {c.block_size - 1} guesses) in one "
         f"forward from the target's layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
-        f"layers; Hugging Face `hidden_states[id + 1]`). It has no embedding and no LM head: it uses "
-        f"the target's, frozen. Mask token id: {c.mask_token_id}.",
+        f"layers; Hugging Face `hidden_states[id + 1]`). "
+        + ("It has no embedding and no LM head: it uses the target's, frozen. " if c.draft_vocab_size is None else
+           f"It has no embedding (it uses the target's) and an LM head of {c.draft_vocab_size:,} rows, the "
+           "target's own rows of its draft vocabulary, frozen. ")
+        + f"Mask token id: {c.mask_token_id}.",
         "",
         f"Shape: {_plural(c.num_hidden_layers, 'Qwen3-style layer')}, hidden {c.hidden_size}, MLP "
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
@@ -344,8 +377,12 @@ def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
         f"--speculative-draft-model-path /path/to/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
         "```",
         "",
-        "Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
-        "`dflash_generate` loop.",
+        ("Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
+         "`dflash_generate` loop." if c.draft_vocab_size is None else
+         f"Draft vocabulary: this drafter scores {c.draft_vocab_size:,} of the target's {c.vocab_size:,} tokens "
+         "(`lm_head.weight` holds the target head's rows of them, `d2t` maps each row to its token: "
+         "target id = row + d2t[row]), which vLLM loads; z-lab/dflash's `DFlashDraftModel` loads no draft "
+         "vocabulary, nor does SGLang's DFlash loader as far as we know (train without `--draft-vocab` for them)."),
     ]
 
 

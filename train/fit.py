@@ -46,7 +46,7 @@ import torch.distributed as dist
 from dflash.kernels import sparse_kl_loss
 from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
-from dflash.train import parallel
+from dflash.train import draft_vocab, parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
@@ -305,6 +305,9 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
     initial_weights(model, config.model, head, caches[0].target_dir)
+    if config.model.draft_vocab is not None:
+        _draft_vocabulary(run_dir, model, head, corpus, plan, config, rank, world_size, device, is_main)
+        head = head.for_drafter(model)
     resume_from = latest_checkpoint(run_dir)
     if source is not None and resume_from is None:  # weights only: optimizer, schedule and data order start fresh
         warm_start(model, load_state(source), source.config, where=source.weights,
@@ -357,6 +360,24 @@ def initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead,
                 layer.mlp.down_proj.weight.zero_()
 
 
+def _draft_vocabulary(run_dir: Path, model: DFlashDrafter, head: TargetHead, corpus: Corpus, plan: DataPlan,
+                      config: FitConfig, rank: int, world_size: int, device: torch.device, is_main: bool) -> None:
+    """Choose (or, resuming, read) the run's draft vocabulary and fill the drafter's head."""
+    def count() -> np.ndarray:
+        return draft_vocab.count_tokens(
+            corpus, plan.train_sequences, seed=config.data.seed, rank=rank, world_size=world_size,
+            combine=lambda c: _all_reduce(torch.from_numpy(c).to(device), world_size).cpu().numpy(),
+            progress=is_main)
+
+    ids = draft_vocab.load_or_choose(run_dir, config.model.draft_vocab, count, write=is_main)
+    draft_vocab.install(model, ids, head)
+    if is_main:
+        stored = np.load(run_dir / draft_vocab.DRAFT_VOCAB_FILE)
+        share = float(stored["counts"].sum()) / max(1, int(stored["total"]))
+        print(f"draft vocabulary: {ids.shape[0]:,} of {head.lm_head.shape[0]:,} tokens, "
+              f"{share:.2%} of the {int(stored['total']):,} training tokens counted", flush=True)
+
+
 def feature_noise(features: torch.Tensor, amplitude: float, *, seed: int, rank: int, step: int) -> torch.Tensor:
     """features + U[-amplitude, amplitude], drawn on the features' device from a generator
     seeded by (seed, rank, step): a resumed run draws what the uninterrupted one did."""
@@ -407,6 +428,7 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
                                                block_size=model.block_size, mask_token_id=model.mask_token_id)
+    drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
         raise ValueError(
             f"{target_dir}/target.json (layers {drafter_config.target_layer_ids}, hidden "
@@ -483,20 +505,28 @@ def forward_loss(run: Run, batch, layout: BlockLayout) -> tuple[torch.Tensor, to
     with torch.autocast(run.device.type, dtype=dtype, enabled=dtype != torch.float32):
         hidden = run.wrapped(run.head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
     rows = hidden[batch.label_rows].to(run.head.lm_head.dtype)  # [N, H]
-    return _loss(rows, run.head.lm_head, batch, run.config.loss)
+    return _loss(rows, run.head, batch, run.config.loss)
 
 
-def _loss(rows: torch.Tensor, head_weight: torch.Tensor, batch, config: LossConfig):
-    """(summed weighted loss, student argmax [N]) for the labelled rows, logits never formed."""
-    top1 = _top1(batch)[:, None]  # [N, 1]
+def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig):
+    """(summed weighted loss, student argmax [N] in token ids) for the labelled rows, logits
+    never formed; a draft vocabulary's head scores the teacher remapped to its rows."""
+    ids, logprobs, weights = batch.topk_ids, batch.topk_logprobs, batch.weights
+    if head.draft_ids is None:
+        top1 = _top1(batch)
+    else:
+        ids, logprobs, top1, live = draft_vocab.remap_teacher(ids, logprobs, head)
+        weights = torch.where(live, weights, 0.0)
     if config.loss == "ce":
         # k = 1 with log-prob 0 on the target's top-1: the tail bucket is empty, the row is CE.
-        return sparse_kl_loss(rows, head_weight, top1, torch.zeros_like(batch.topk_logprobs[:, :1]),
-                              batch.weights, tail="bucket", reduction="sum", return_argmax=True)
-    ce_weight = config.ce_weight if config.loss == "kl+ce" else 0.0
-    return sparse_kl_loss(rows, head_weight, batch.topk_ids, batch.topk_logprobs, batch.weights,
-                          tail="bucket", reduction="sum", ce_targets=top1[:, 0] if ce_weight else None,
-                          ce_weight=ce_weight, return_argmax=True)
+        loss, argmax = sparse_kl_loss(rows, head.lm_head, top1[:, None], torch.zeros_like(logprobs[:, :1]),
+                                      weights, tail="bucket", reduction="sum", return_argmax=True)
+    else:
+        ce_weight = config.ce_weight if config.loss == "kl+ce" else 0.0
+        loss, argmax = sparse_kl_loss(rows, head.lm_head, ids, logprobs, weights, tail="bucket", reduction="sum",
+                                      ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
+                                      return_argmax=True)
+    return loss, head.to_target(argmax)
 
 
 def _top1(batch) -> torch.Tensor:

@@ -46,7 +46,7 @@ from dflash.shards.target_info import TargetInfo
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.identity import RUN_INFO_FILE, read_run_info
 from dflash.train.mask_token import mask_token_refusal
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
 
 RECORD_KEY = "init_from"
 # The shape fields the weights imply, with what to do when the source's differs from the run's.
@@ -242,7 +242,10 @@ def warm_start(drafter: DFlashDrafter, state: dict[str, torch.Tensor], source_co
     if (basis is None) != (c.feature_width is None):
         raise ValueError(f"{where}: the drafter reads {'coefficients' if c.feature_width else 'raw features'}; "
                          "pass the basis exactly when it reads a basis cache's coefficients")
-    state = dict(state)
+    # The draft vocabulary is the run's own (chosen from its data before this call): a
+    # source's, if it had one, is not carried over.
+    state = {name: t for name, t in state.items() if name not in DRAFT_BUFFERS}
+    state.update({name: t for name, t in drafter.state_dict().items() if name in DRAFT_BUFFERS})
     if basis is not None:
         if basis.sha256() != c.feature_basis_sha256 or basis.rank != c.feature_width:
             raise ValueError(f"{where}: the basis is not the one the drafter reads (sha256 {c.feature_basis_sha256})")

@@ -31,6 +31,7 @@ right after them is drafted in one call. The cache can be cropped.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -85,6 +86,10 @@ class DrafterConfig:
     trained on a basis cache's coefficients (export folds the basis back into fc)."""
     feature_basis_sha256: str | None = None
     """The basis the coefficients are in (its file's sha256), when feature_width is set."""
+    draft_vocab_size: int | None = None
+    """Rows of the drafter's own head when it drafts from a draft vocabulary (the buffers
+    `draft_head`, the target LM head's rows of those tokens, and `draft_ids`, their target
+    ids; train/draft_vocab.py); None: it scores the target's whole head."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -111,6 +116,9 @@ class DrafterConfig:
                 self.feature_width is not None and self.feature_width < 1):
             raise ValueError("DrafterConfig.feature_width (>= 1) and feature_basis_sha256 go together: set "
                              f"both or neither, got {self.feature_width!r} and {self.feature_basis_sha256!r}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"draft_vocab_size must lie in [1, {self.vocab_size}) (the target's vocabulary), got "
+                             f"{self.draft_vocab_size}: drop --draft-vocab to draft from the whole vocabulary")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
 
     @property
@@ -127,6 +135,8 @@ class DrafterConfig:
         data = asdict(self)
         if data["feature_width"] is None:  # raw-feature drafters keep their exact config
             del data["feature_width"], data["feature_basis_sha256"]
+        if data["draft_vocab_size"] is None:  # so do whole-vocabulary drafters
+            del data["draft_vocab_size"]
         return data
 
     @classmethod
@@ -183,8 +193,10 @@ class TargetHead:
     """The target's frozen input embedding and LM head (`CACHE/target/head.safetensors`)."""
 
     embed_tokens: torch.Tensor  # [V, H]
-    lm_head: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H] (a draft vocabulary's head: [V_d, H], see `for_drafter`)
     final_norm: torch.Tensor | None = None  # [H]: the target's final norm scale, when stored
+    draft_ids: torch.Tensor | None = None  # [V_d] int64: the target id of each lm_head row; None: row i is id i
+    target_to_draft: torch.Tensor | None = None  # [V] int64: the row of each target id, -1 outside
 
     @classmethod
     def load(cls, target_dir: str | Path, *, device: torch.device | str = "cpu",
@@ -217,8 +229,23 @@ class TargetHead:
         return F.embedding(token_ids, self.embed_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V] (materialises logits: for inference, not for the training loss)."""
+        """[..., H] -> [..., V] (materialises logits: for inference, not for the training loss);
+        [..., V_d] over a draft vocabulary's rows (`to_target` maps an argmax to token ids)."""
         return hidden @ self.lm_head.to(hidden.dtype).T
+
+    def for_drafter(self, drafter: DFlashDrafter) -> TargetHead:
+        """The head `drafter` drafts through: this one, or its draft vocabulary's rows."""
+        if getattr(drafter, "draft_ids", None) is None or self.draft_ids is not None:
+            return self  # (a stand-in without the attribute drafts from the whole head)
+        ids = drafter.draft_ids.to(self.lm_head.device)
+        lookup = torch.full((self.lm_head.shape[0],), -1, dtype=torch.long, device=ids.device)
+        lookup[ids] = torch.arange(ids.shape[0], device=ids.device)
+        return dataclasses.replace(self, lm_head=drafter.draft_head.to(self.lm_head.device, self.lm_head.dtype),
+                                   draft_ids=ids, target_to_draft=lookup)
+
+    def to_target(self, rows: torch.Tensor) -> torch.Tensor:
+        """lm_head row indices (an argmax) -> target token ids."""
+        return rows if self.draft_ids is None else self.draft_ids[rows]
 
 
 # ---------------------------------------------------------------------------------------
@@ -484,6 +511,9 @@ class DrafterContextCache:
         self.values = [v[:, :length] for v in self.values]
 
 
+DRAFT_BUFFERS = ("draft_head", "draft_ids")  # a draft vocabulary's frozen head and id map
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (parameters named as z-lab's DFlashDraftModel).
 
@@ -504,6 +534,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(c.context_width, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # A draft vocabulary's head: frozen buffers (saved with the weights, never trained),
+        # filled by train/draft_vocab.install at the start of training.
+        rows = c.draft_vocab_size
+        self.register_buffer("draft_head", None if rows is None else torch.zeros(rows, c.hidden_size))
+        self.register_buffer("draft_ids", None if rows is None else torch.zeros(rows, dtype=torch.long))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -673,6 +708,7 @@ __all__ = [
     "DFlashDrafter",
     "DrafterConfig",
     "DrafterContextCache",
+    "DRAFT_BUFFERS",
     "TargetHead",
     "count_parameters",
     "model_flops_per_token",

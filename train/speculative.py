@@ -164,7 +164,7 @@ class DrafterProposer:
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead):
         self.drafter = drafter.eval()
-        self.head = head
+        self.head = head.for_drafter(drafter)  # a draft vocabulary's rows, when it has one
         self.mask_token_id = drafter.config.mask_token_id
         self.cache = DrafterContextCache()
 
@@ -180,9 +180,9 @@ class DrafterProposer:
         block = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)  # [1, B]
         block[0, 0] = anchor_token
         hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, B, H]
-        lm_head = self.head.lm_head.to(hidden.dtype)  # [V, H]
+        lm_head = self.head.lm_head.to(hidden.dtype)  # [V, H] (a draft vocabulary: [V_d, H])
         logits = rows_linear(hidden[0, 1:], lm_head)  # [B-1, V]: the decoding loop's small-row product
-        return logits.argmax(-1).tolist()
+        return self.head.to_target(logits.argmax(-1)).tolist()
 
 
 @dataclass
