@@ -92,7 +92,7 @@ def test_draft_vocab_loss_matches_a_materialised_reference(kind):
         if not inside:
             continue  # no slot in the vocabulary: weight 0
         fillers = [int(r) for r, t in zip(rows[n], topk[n].tolist()) if t not in ids]
-        p_in = sum(float(logp[n, r].exp()) for r, _ in inside) + sum(float(logp[n, r].exp()) for r in fillers)
+        p_in = sum(float(logp[n, r].exp()) for r in [r for r, _ in inside] + fillers)
         tail_q = 1 - sum(qq for _, qq in inside)
         kl = sum(qq * (np.log(qq) - float(logp[n, r])) for r, qq in inside) + tail_q * (np.log(tail_q) - np.log(1 - p_in))
         best = max(inside, key=lambda item: item[1])[0]

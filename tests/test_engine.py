@@ -4,16 +4,17 @@ renders the prompts as dflash does (the chat-template kwargs the cache recorded 
 its per-step accepted drafts equal dflash's own speculative loop's, step for step; each broken
 export of the users' reports (layer ids off by one, ids reversed with fc permuted, a wrong
 mask token, rope_theta missing, a basis-trained fc left unfolded, a draft vocabulary's d2t
-zeroed) fails that check. A missing rope_theta is caught by the RoPE base vLLM resolved for the drafter (1e4, transformers'
-Qwen3Config default, against the trained 100), not by the decoding: this tiny drafter's
-drafts do not change with the base.
+zeroed) fails that check. A missing rope_theta is caught by the RoPE base vLLM resolved for
+the drafter (1e4, transformers' Qwen3Config default, against the trained 100), not by the
+decoding: this tiny drafter's drafts do not change with the base.
 
 The kinds (bench/engine_check.py FAMILIES), at tiny size: a Llama target with tied embeddings,
 bf16 cache, block 4, bfloat16 export; a Qwen3 target with its own head, basis-fp8 cache (the
 export's folded fc), block 8, float32 export, `enable_thinking: false` in the cache's
 template kwargs; the Qwen3 target again with a draft vocabulary (`fit --draft-vocab 48`: the
 export's own `lm_head.weight` and `d2t`), bf16 cache, block 4. One engine per drafter folder
-and per target alone, all in one process with vLLM's engine core in it (a start costs seconds after the first, about a minute cold).
+and per target alone, all in one process with vLLM's engine core in it (a start costs seconds
+after the first, about a minute cold).
 
 Skipped, with the reason, where the engine venv is absent or incomplete (build it with
 `bash bench/engine_venv.sh`, which `make test` runs; $DFLASH_ENGINE_VENV names another) or

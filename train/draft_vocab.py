@@ -32,8 +32,8 @@ outside the vocabulary gets weight 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
