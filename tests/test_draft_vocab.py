@@ -94,7 +94,8 @@ def test_draft_vocab_loss_matches_a_materialised_reference(kind):
         fillers = [int(r) for r, t in zip(rows[n], topk[n].tolist()) if t not in ids]
         p_in = sum(float(logp[n, r].exp()) for r in [r for r, _ in inside] + fillers)
         tail_q = 1 - sum(qq for _, qq in inside)
-        kl = sum(qq * (np.log(qq) - float(logp[n, r])) for r, qq in inside) + tail_q * (np.log(tail_q) - np.log(1 - p_in))
+        kl = sum(qq * (np.log(qq) - float(logp[n, r])) for r, qq in inside)
+        kl += tail_q * (np.log(tail_q) - np.log(1 - p_in))
         best = max(inside, key=lambda item: item[1])[0]
         ce = -float(logp[n, best])
         expected[n] = batch.weights[n] * {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce}[kind]
