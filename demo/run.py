@@ -72,8 +72,9 @@ class DemoConfig:
     """`fit --draft-vocab`: draft from the 4,096 most frequent reply tokens (0: the whole
     vocabulary). The same tau over 3 seeds (bench/RESULTS.md "recipe", night), with a head 12x
     smaller: training runs 2-4x faster and each draft is cheaper, so decoding gains (1.36x plain
-    greedy in a fresh clone against 1.23x; 1.35x against 1.17x over 3 seeds under load). The export then carries `lm_head.weight` and `d2t`, which
-    vLLM serves and z-lab's DFlashDraftModel does not load (pass 0 for a z-lab-loadable demo)."""
+    greedy in a fresh clone against 1.23x; 1.35x against 1.17x over 3 seeds under load). The
+    export then carries `lm_head.weight` and `d2t`, which vLLM serves and z-lab's
+    DFlashDraftModel does not load (pass 0 for a z-lab-loadable demo)."""
     eval_fraction: float = 0.1
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
