@@ -52,7 +52,8 @@ VARIANTS: dict[str, dict] = {
 MORE_DATA = "more data (kl+ce)"
 # trained on --more-data's cache
 MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x data + 1200 steps (block 3)",
-                  "draft vocab 4096", "draft vocab 4096 (block 4)"}
+                  "draft vocab 4096", "draft vocab 4096 (block 4)", "+ 3x human replies",
+                  "draft vocab 4096 (2400 steps)"}
 
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
@@ -88,6 +89,13 @@ VARIANTS.update({
     "draft vocab 4096": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200,
                          "draft_vocab": 4096},
     "draft vocab 4096 (block 4)": {**DEMO_V2, "max_steps": 1200, "draft_vocab": 4096},
+    # The demo's settings plus 2,304 further chitchat conversations with their human replies,
+    # not regenerated (stage one's forward only; the 768 cache's basis), and 2x the steps (the
+    # human replies are short: about 2x the reply tokens); and its control, the steps alone.
+    "+ 3x human replies": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 2400,
+                           "draft_vocab": 4096, "extra_cache": "/work/human/cache"},
+    "draft vocab 4096 (2400 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 2400,
+                                     "draft_vocab": 4096},
 })
 
 

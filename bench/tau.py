@@ -61,12 +61,18 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
     run = Path(work) / "runs" / f"{name}-s{job.seed}".replace("/", "_")
     flat = {**DEMO_FIT, **job.overrides}
     flat["checkpoint_every"] = flat["max_steps"]
+    # "extra_cache": a second cache trained on too (same feature basis); every figure stays on
+    # the job's own cache (its held-out sequences under the run's split, and its prompts).
+    extra = flat.pop("extra_cache", None)
     began = time.perf_counter()
-    fit(FitConfig.from_dict({"cache": [job.cache], "out": str(run), "seed": job.seed, **flat}))
+    fit(FitConfig.from_dict({"cache": [job.cache, *([extra] if extra else [])], "out": str(run), "seed": job.seed,
+                             **flat}))
     fit_s = time.perf_counter() - began
     torch.manual_seed(0)
-    offline = run_eval(EvalConfig(run=str(run), device="cpu", save=False), show_progress=False)
-    trained = run_eval(EvalConfig(run=str(run), device="cpu", save=False, split="train"), show_progress=False)
+    own = job.cache if extra else None
+    offline = run_eval(EvalConfig(run=str(run), cache=own, device="cpu", save=False), show_progress=False)
+    trained = run_eval(EvalConfig(run=str(run), cache=own, device="cpu", save=False, split="train"),
+                       show_progress=False)
     online = run_eval(EvalConfig(run=str(run), cache=job.cache, online=True, target=target,
                                  prompts=job.prompts or prompts,
                                  limit=online_prompts, max_new_tokens=max_new_tokens, device="cpu", save=False),

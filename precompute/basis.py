@@ -74,6 +74,9 @@ def fit_or_load_basis(run: RankRun, items: list[Item]) -> dict[Key, Computed | N
     path = config.out / BASIS_FILE
     chosen = sample_positions(run.lengths, config.basis_sample_tokens) & run.mine
     sample = [item for item in items if item.position in chosen]
+    if config.feature_basis is not None and not all(group.step("looking for a feature basis", path.is_file)):
+        # --feature-basis: the given basis, byte for byte (its sha256 is the cache's basis identity)
+        group.step("copying the feature basis", lambda: group.rank == 0 and _copy_basis(config.feature_basis, path))
     if all(group.step("looking for a feature basis", path.is_file)):
         basis = FeatureBasis.load(path)
         run.log(f"reusing {path} (rank {basis.rank}, {basis.energy_captured:.4%} of the sample's energy)")
@@ -87,6 +90,16 @@ def fit_or_load_basis(run: RankRun, items: list[Item]) -> dict[Key, Computed | N
     run.log(f"fitted the feature basis on {basis.num_tokens:,} tokens in {time.perf_counter() - began:.1f} s: "
             f"rank {basis.rank} of {basis.input_width}, {basis.energy_captured:.4%} of the energy")
     return kept
+
+
+def _copy_basis(source, path) -> None:
+    """Write `source` (a FeatureBasis file, checked by loading it) to `path` atomically."""
+    import shutil
+
+    FeatureBasis.load(source)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.copyfile(source, tmp)
+    tmp.replace(path)
 
 
 def _fit(run: RankRun, moment: _Moment) -> FeatureBasis:

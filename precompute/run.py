@@ -93,6 +93,10 @@ class PrecomputeConfig:
     basis_sample_tokens: int = 65536
     """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted
     on before any row is written."""
+    feature_basis: Path | None = None
+    """Basis codecs: encode with this basis (another cache's folder or its feature_basis.safetensors)
+    instead of fitting one, so that `fit` can train on both caches (it refuses caches of different
+    bases)."""
     topk_codec: str = "packed"
     """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
     max_length: int = 3072
@@ -143,6 +147,10 @@ class PrecomputeConfig:
             self.chat_template = Path(self.chat_template)
             if not self.chat_template.is_file():
                 raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.feature_basis is not None:
+            self.feature_basis = Path(self.feature_basis)
+            if self.feature_basis.is_dir():  # another cache's folder: its basis file
+                self.feature_basis = self.feature_basis / "feature_basis.safetensors"
         checks = [
             (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
             (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
@@ -152,6 +160,10 @@ class PrecomputeConfig:
              f"--feature-rank must be >= 1 and goes with a basis codec, got {self.feature_rank} with "
              f"{self.feature_codec}"),
             (self.basis_sample_tokens >= 1, f"--basis-sample-tokens must be >= 1, got {self.basis_sample_tokens}"),
+            (self.feature_basis is None or self.feature_codec in BASIS_CODECS,
+             f"--feature-basis goes with a basis codec ({', '.join(BASIS_CODECS)}), got {self.feature_codec}"),
+            (self.feature_basis is None or Path(self.feature_basis).is_file(),
+             f"--feature-basis {self.feature_basis}: no such file (give another cache's feature_basis.safetensors)"),
             (self.topk_codec in ("packed", "raw"), f"--topk-codec must be packed or raw, got {self.topk_codec!r}"),
             (self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}"),
             (self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}"),

@@ -110,3 +110,32 @@ def test_regenerated_sample_is_reused_not_regenerated(target, data, tmp_path):
     for i in range(len(a)):
         np.testing.assert_array_equal(a[i].input_ids, b[i].input_ids)
         np.testing.assert_array_equal(a[i].loss_mask, b[i].loss_mask)
+
+
+def test_feature_basis_reuses_another_caches_basis_so_fit_trains_on_both(target, data, tmp_path, one_rank):
+    from dflash.train.fit import fit
+    from tests.builders import tiny_fit_config
+
+    other_data = write_jsonl(tmp_path / "other.jsonl", RECORDS[::-1][:4])
+    out = tmp_path / "other"
+    run_precompute(config(target, other_data, out, feature_basis=one_rank.path, **CODEC))  # a cache folder
+    other = open_cache(out)
+    assert (out / BASIS_FILE).read_bytes() == (one_rank.path / BASIS_FILE).read_bytes()
+    assert other.feature_basis_sha256 == one_rank.feature_basis_sha256
+    # a record in both caches is encoded alike (same basis; the forwards differ only by their
+    # batches' float rounding)
+    mine = {tuple(one_rank[i].input_ids.tolist()): one_rank[i] for i in range(len(one_rank))}
+    common = [other[i] for i in range(len(other)) if tuple(other[i].input_ids.tolist()) in mine]
+    assert common
+    for seq in common:
+        np.testing.assert_allclose(seq.features, mine[tuple(seq.input_ids.tolist())].features, rtol=1e-5, atol=1e-5)
+    run = tmp_path / "run"
+    fit(tiny_fit_config(one_rank.path, run, cache=[str(one_rank.path), str(out)], max_steps=2, anchors_per_seq=4))
+    assert (run / "checkpoints").is_dir()
+
+
+def test_feature_basis_is_refused_without_a_basis_codec_or_a_file(target, data, tmp_path, one_rank):
+    with pytest.raises(ValueError, match="--feature-basis goes with a basis codec"):
+        config(target, data, tmp_path / "a", feature_basis=one_rank.path)
+    with pytest.raises(ValueError, match="no such file"):
+        config(target, data, tmp_path / "b", feature_basis=tmp_path / "missing.safetensors", **CODEC)
