@@ -205,3 +205,24 @@ def test_config_refuses_a_vocabulary_of_the_whole_size():
 def test_checkpoint_holds_the_draft_buffers(run):
     weights = load_file(str(latest_checkpoint(run) / "model.safetensors"))
     assert weights["draft_ids"].shape == (20,) and weights["draft_head"].shape[0] == 20
+
+
+def test_bench_coverage_matches_a_direct_count(cache_dir):
+    from bench.draft_vocab import measure
+
+    result = measure(str(cache_dir), [10, 40], eval_fraction=0.25, seed=3)
+    cache = open_cache(cache_dir)
+    held_out = held_out_mask(len(cache), 0.25, 3)
+    counts = np.zeros(cache.spec.vocab_size, dtype=np.int64)
+    wanted = []
+    for i in range(len(cache)):
+        seq = cache[i]
+        if not held_out[i]:
+            np.add.at(counts, seq.input_ids[seq.loss_mask], 1)
+            continue
+        top1 = target_top1(seq.topk_ids, seq.topk_logprobs)
+        wanted += [int(top1[p - 1]) for p in np.flatnonzero(seq.loss_mask) if p > 0]
+    for row in result["rows"]:
+        vocab = set(sorted(range(cache.spec.vocab_size), key=lambda t: (-counts[t], t))[:row["size"]])
+        assert row["top1_covered"] == pytest.approx(np.mean([t in vocab for t in wanted]))
+    assert result["held_out_positions"] == len(wanted)
