@@ -25,11 +25,13 @@ uninterrupted run writes.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
 from dflash.precompute.pipeline import Computed, Item, Key, RankRun, compute_sample
 from dflash.shards.basis import BASIS_FILE, FeatureBasis, fit_basis, write_basis
+from dflash.shards.files import write_atomic
 
 
 def sample_positions(lengths: list[tuple[int, int]], sample_tokens: int) -> set[int]:
@@ -74,10 +76,12 @@ def fit_or_load_basis(run: RankRun, items: list[Item]) -> dict[Key, Computed | N
     path = config.out / BASIS_FILE
     chosen = sample_positions(run.lengths, config.basis_sample_tokens) & run.mine
     sample = [item for item in items if item.position in chosen]
-    if config.feature_basis is not None and not all(group.step("looking for a feature basis", path.is_file)):
+    present = all(group.step("looking for a feature basis", path.is_file))
+    if not present and config.feature_basis is not None:
         # --feature-basis: the given basis, byte for byte (its sha256 is the cache's basis identity)
         group.step("copying the feature basis", lambda: group.rank == 0 and _copy_basis(config.feature_basis, path))
-    if all(group.step("looking for a feature basis", path.is_file)):
+        present = True
+    if present:
         basis = FeatureBasis.load(path)
         run.log(f"reusing {path} (rank {basis.rank}, {basis.energy_captured:.4%} of the sample's energy)")
         group.step("reading the feature basis", lambda: writer.use_basis(basis))
@@ -92,14 +96,10 @@ def fit_or_load_basis(run: RankRun, items: list[Item]) -> dict[Key, Computed | N
     return kept
 
 
-def _copy_basis(source, path) -> None:
+def _copy_basis(source: Path, path: Path) -> None:
     """Write `source` (a FeatureBasis file, checked by loading it) to `path` atomically."""
-    import shutil
-
     FeatureBasis.load(source)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.copyfile(source, tmp)
-    tmp.replace(path)
+    write_atomic(path, Path(source).read_bytes())
 
 
 def _fit(run: RankRun, moment: _Moment) -> FeatureBasis:

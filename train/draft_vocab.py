@@ -82,19 +82,22 @@ def choose(counts: np.ndarray, size: int) -> np.ndarray:
     return order[:size].astype(np.int64)
 
 
-def load_or_choose(run_dir: Path, size: int, count: Callable[[], np.ndarray], *, write: bool) -> np.ndarray:
-    """The run's draft ids: RUN/draft_vocab.npz when it holds `size` of them (a resume), else
-    chosen from `count()` and, when `write` (rank 0), stored there."""
+def load_or_choose(run_dir: Path, size: int, count: Callable[[], np.ndarray], *, write: bool) -> dict:
+    """The run's draft vocabulary {ids [size] int64, counts [size], total: tokens counted}:
+    RUN/draft_vocab.npz when it holds `size` ids (a resume), else chosen from `count()` and,
+    when `write` (rank 0), stored there."""
     path = Path(run_dir) / DRAFT_VOCAB_FILE
     if path.exists():
-        stored = np.load(path)
-        if stored["ids"].shape == (size,):
-            return stored["ids"].astype(np.int64)
+        with np.load(path) as stored:
+            if stored["ids"].shape == (size,):
+                return {"ids": stored["ids"].astype(np.int64), "counts": stored["counts"],
+                        "total": int(stored["total"])}
     counts = count()
     ids = choose(counts, size)
+    vocab = {"ids": ids, "counts": counts[ids], "total": int(counts.sum())}
     if write:
-        write_npz_atomic(path, ids=ids, counts=counts[ids], total=np.int64(counts.sum()))
-    return ids
+        write_npz_atomic(path, ids=ids, counts=vocab["counts"], total=np.int64(vocab["total"]))
+    return vocab
 
 
 def install(drafter: DFlashDrafter, ids: np.ndarray, head: TargetHead) -> None:
@@ -112,7 +115,7 @@ def remap_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, head: Tar
     slots get fillers with log-prob -inf; live is False where no slot is in the vocabulary."""
     rows = head.target_to_draft[topk_ids.long()]  # [N, k], -1 outside
     outside = rows < 0
-    n, k = rows.shape
+    k = rows.shape[1]
     size = head.lm_head.shape[0]
     if size < 2 * k + 1:
         raise ValueError(f"--draft-vocab {size} is too small for the cache's top-{k}: use at least {2 * k + 1}")

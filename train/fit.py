@@ -369,13 +369,12 @@ def _draft_vocabulary(run_dir: Path, model: DFlashDrafter, head: TargetHead, cor
             combine=lambda c: _all_reduce(torch.from_numpy(c).to(device), world_size).cpu().numpy(),
             progress=is_main)
 
-    ids = draft_vocab.load_or_choose(run_dir, config.model.draft_vocab, count, write=is_main)
-    draft_vocab.install(model, ids, head)
+    vocab = draft_vocab.load_or_choose(run_dir, config.model.draft_vocab, count, write=is_main)
+    draft_vocab.install(model, vocab["ids"], head)
     if is_main:
-        stored = np.load(run_dir / draft_vocab.DRAFT_VOCAB_FILE)
-        share = float(stored["counts"].sum()) / max(1, int(stored["total"]))
-        print(f"draft vocabulary: {ids.shape[0]:,} of {head.lm_head.shape[0]:,} tokens, "
-              f"{share:.2%} of the {int(stored['total']):,} training tokens counted", flush=True)
+        share = float(vocab["counts"].sum()) / max(1, vocab["total"])
+        print(f"draft vocabulary: {vocab['ids'].shape[0]:,} of {head.lm_head.shape[0]:,} tokens, "
+              f"{share:.2%} of the {vocab['total']:,} training tokens counted", flush=True)
 
 
 def feature_noise(features: torch.Tensor, amplitude: float, *, seed: int, rank: int, step: int) -> torch.Tensor:
