@@ -46,7 +46,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from collections import Counter
@@ -304,14 +303,17 @@ def _empty_error(config: PrecomputeConfig, rejected: Counter[str]) -> ValueError
 
 
 def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # This process hosts the rendezvous store and outlives every worker: a rank left talking to
+    # a store that went away with its host can abort in a C++ thread ("terminate called
+    # without an active exception"), which happened when rank 0 hosted it.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=config.dist_timeout_s))
     results = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(_spawned_worker, args=(config, f"tcp://127.0.0.1:{port}", results),
+        mp.start_processes(_spawned_worker, args=(config, store.port, results),
                            nprocs=config.nproc, join=True, start_method="spawn")
     except mp.ProcessRaisedException as error:
         # Every rank reports its ValueError before raising; the first report is the cause
@@ -323,20 +325,22 @@ def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:
         raise RuntimeError(f"a precompute worker failed:\n{error}") from None
     except mp.ProcessExitedException as error:
         raise RuntimeError(f"a precompute worker died: {error}") from None
+    finally:
+        del store
     while True:
         kind, payload = results.get()
         if kind == "ok":
             return PrecomputeSummary(**payload)
 
 
-def _spawned_worker(local_rank: int, config: PrecomputeConfig, init_method: str, results) -> None:
+def _spawned_worker(local_rank: int, config: PrecomputeConfig, store_port: int, results) -> None:
     import torch
 
     if config.device == "cpu" or not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))  # share the cores
     try:
         summary = _worker_main(config, rank=local_rank, world_size=config.nproc,
-                               local_rank=local_rank, init_method=init_method)
+                               local_rank=local_rank, init_method=f"store://127.0.0.1:{store_port}")
     except ValueError as error:
         results.put(("error", str(error)))
         raise
@@ -354,8 +358,14 @@ class _Group:
         if world_size > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if init_method is not None and init_method.startswith("store://"):  # hosted by _spawn
+                host, port = init_method.removeprefix("store://").rsplit(":", 1)
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            else:
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                        timeout=timeout)
 
     def step(self, what: str, fn: Callable[[], Any]) -> list[Any]:
         """Run `fn` here, then gather every rank's result (keep it small: it is pickled). If any
@@ -392,15 +402,19 @@ class _Group:
         return result, [payload for _, payload in gathered]
 
     def close(self, *, together: bool) -> None:
-        """together (every rank finished): leave at a barrier first. Rank 0 hosts the
-        rendezvous store, and a rank still talking to it when rank 0 exits can abort in a C++
-        thread ("terminate called without an active exception"). After a failure no barrier:
-        a rank that died would make the others wait for the whole timeout."""
+        """together (every rank finished): leave at a barrier first, so that no rank tears
+        down its connections while another still waits on them. After a failure no barrier: a
+        rank that died would make the others wait for the whole timeout. The rendezvous store
+        lives outside the ranks (torchrun's agent, or the process that spawned them), so it
+        outlasts every rank's teardown."""
         if self.world_size > 1:
+            import gc
+
             import torch.distributed as dist
 
             if together:
                 dist.barrier()
+            gc.collect()  # a process group kept alive by a reference cycle would be torn down at exit
             dist.destroy_process_group()
 
 

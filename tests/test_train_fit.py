@@ -249,22 +249,23 @@ def test_persistent_spikes_stop_the_run(cache_dir, tmp_path, monkeypatch):
 
 
 def _rank_main(rank: int, world_size: int, port: int, config_dict: dict) -> None:
+    # As under torchrun: the store is the launcher's (TORCHELASTIC_USE_AGENT_STORE), not rank 0's.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     fit(FitConfig.from_dict(config_dict))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world_size: int, config: FitConfig) -> None:
-    torch.multiprocessing.spawn(_rank_main, args=(world_size, _free_port(), config.to_dict()), nprocs=world_size)
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    torch.multiprocessing.spawn(_rank_main, args=(world_size, store.port, config.to_dict()), nprocs=world_size)
+    del store
 
 
 def _final_state(run: Path) -> tuple[dict, dict]:
