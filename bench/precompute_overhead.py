@@ -99,6 +99,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="precompute_overhead-"))
     config = PrecomputeConfig(target=target, data=[data], out=work / "cache", top_k=args.top_k,
                               max_length=args.max_length, batch_tokens=args.batch_tokens,
+                              forward_batch_tokens=args.batch_tokens,
                               device="cpu", dtype="float32", overwrite=True, progress=False)
     runs: dict[str, list[float]] = {name: [] for name in (
         "precompute_wall_s", "precompute_cpu_s", "precompute_forward_wall_s", "bare_wall_s", "bare_cpu_s",

@@ -53,7 +53,7 @@ MORE_DATA = "more data (kl+ce)"
 # trained on --more-data's cache
 MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x data + 1200 steps (block 3)",
                   "draft vocab 4096", "draft vocab 4096 (block 4)", "+ 3x human replies",
-                  "draft vocab 4096 (2400 steps)"}
+                  "draft vocab 4096 (2400 steps)", "+ 3x human replies (1200 steps)"}
 
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
@@ -96,6 +96,10 @@ VARIANTS.update({
                            "draft_vocab": 4096, "extra_cache": "/work/human/cache"},
     "draft vocab 4096 (2400 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 2400,
                                      "draft_vocab": 4096},
+    # The human replies at the demo's own budget: a candidate for its defaults (2x the steps
+    # alone changed nothing).
+    "+ 3x human replies (1200 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200,
+                                       "draft_vocab": 4096, "extra_cache": "/work/human/cache"},
 })
 
 

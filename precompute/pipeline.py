@@ -50,6 +50,9 @@ NO_REPLY = "conversation has no assistant turn: give a reply or use --regenerate
 
 Key = tuple[str, int]
 
+# The automatic forward budget on a CPU (PrecomputeConfig.forward_batch_tokens).
+CPU_FORWARD_TOKENS = 2048
+
 
 @dataclass
 class RankStats:
@@ -117,6 +120,15 @@ class RankRun:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    @property
+    def forward_tokens(self) -> int:
+        """The padded-token budget of one target forward (PrecomputeConfig.forward_batch_tokens)."""
+        config = self.config
+        if config.forward_batch_tokens:
+            return min(config.forward_batch_tokens, config.batch_tokens)
+        return config.batch_tokens if self.target.device.type == "cuda" else min(CPU_FORWARD_TOKENS,
+                                                                                 config.batch_tokens)
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -249,14 +261,13 @@ def process(run: RankRun, members: list[Item]) -> Iterator[Computed]:
 
 
 def _parts(run: RankRun, members: list[Item]) -> list[list[Item]]:
-    """The forward batches of one planned batch: itself, or after regeneration its survivors
-    re-batched by their new lengths."""
+    """The forward batches of one planned batch: its members (after regeneration the survivors,
+    by their new lengths) re-planned under the forward budget. Without regeneration and with
+    the forward budget at --batch-tokens this is the planned batch itself."""
     if not members:
         return []
-    if not run.config.regenerate:
-        return [members]
     return [[members[i] for i in batch]
-            for batch in plan_batches([len(m.encoded.input_ids) for m in members], run.config.batch_tokens)]
+            for batch in plan_batches([len(m.encoded.input_ids) for m in members], run.forward_tokens)]
 
 
 def forward(run: RankRun, part: list[Item]) -> list[Computed]:

@@ -127,6 +127,55 @@ def test_batch_mates_do_not_change_a_sequences_values(targets):
     np.testing.assert_allclose(mixed.topk_logprobs, alone.topk_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("regenerate", [False, True])
+def test_the_forward_budget_splits_batches_without_changing_the_cache(targets, data, tmp_path, monkeypatch,
+                                                                     regenerate):
+    """--forward-batch-tokens cuts each planned batch into smaller forwards; the cache holds the
+    same rows, in the same order, as with one forward per planned batch."""
+    shapes = []
+    forward = Target.forward
+
+    def recording(self, sequences, names):
+        shapes.append((len(sequences), max(len(s) for s in sequences)))
+        return forward(self, sequences, names)
+
+    monkeypatch.setattr(Target, "forward", recording)
+    options = dict(regenerate=regenerate, max_new_tokens=6, batch_tokens=300)
+    run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "whole", forward_batch_tokens=300,
+                                     **options))
+    whole, shapes[:] = list(shapes), []
+    run_precompute(precompute_config(targets["qwen3"], data, tmp_path / "split", forward_batch_tokens=60,
+                                     **options))
+    assert all(count * width <= 60 or count == 1 for count, width in shapes)
+    assert len(shapes) > len(whole) and max(count for count, _ in whole) > 1
+    a, b = open_cache(tmp_path / "whole"), open_cache(tmp_path / "split")
+    assert len(a) == len(b) == len(RECORDS)
+    for i in range(len(a)):
+        assert a.source(i) == b.source(i)
+        np.testing.assert_array_equal(a[i].input_ids, b[i].input_ids)
+        np.testing.assert_allclose(a[i].features, b[i].features, rtol=2**-8, atol=1e-6)
+        np.testing.assert_array_equal(a[i].topk_ids, b[i].topk_ids)
+
+
+def test_the_automatic_forward_budget_is_small_on_a_cpu_and_the_batch_on_a_gpu(targets, data, tmp_path):
+    from types import SimpleNamespace
+
+    from dflash.precompute.pipeline import CPU_FORWARD_TOKENS, RankRun, RankStats
+
+    def budget(device: str, **overrides) -> int:
+        config = precompute_config(targets["qwen3"], data, tmp_path / "cache", **overrides)
+        return RankRun(config=config, group=None, target=SimpleNamespace(device=torch.device(device)), encoder=None,
+                       writer=None, done=set(), stats=RankStats(), log=print, lengths=[], mine=set()).forward_tokens
+
+    assert budget("cpu", batch_tokens=16384) == CPU_FORWARD_TOKENS == 2048
+    assert budget("cpu", batch_tokens=300) == 300
+    assert budget("cuda", batch_tokens=16384) == 16384
+    assert budget("cuda", batch_tokens=16384, forward_batch_tokens=4096) == 4096
+    assert budget("cpu", batch_tokens=1024, forward_batch_tokens=4096) == 1024
+    with pytest.raises(ValueError, match="--forward-batch-tokens must be >= 0"):
+        precompute_config(targets["qwen3"], data, tmp_path / "cache", forward_batch_tokens=-1)
+
+
 def test_chunked_topk_equals_one_pass(targets, monkeypatch):
     import dflash.precompute.target as target_module
 
