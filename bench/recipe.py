@@ -55,6 +55,11 @@ MORE_DATA_ROWS = {MORE_DATA, "3x data (block 4)", "3x data + 1200 steps", "3x da
                   "draft vocab 4096", "draft vocab 4096 (block 4)", "+ 3x human replies",
                   "draft vocab 4096 (2400 steps)", "+ 3x human replies (1200 steps)"}
 
+# A second cache trained on beside the row's own, given as --human-cache: the chitchat
+# conversations after the demo's with their own human replies (demo.run builds it as
+# .demo/cache-human, `dflash-precompute --feature-basis` of the first cache).
+HUMAN_CACHE = "human-cache"
+
 # The 2026-12-02 (afternoon) rows: one change each against the embedded default's settings of
 # that day (basis-fp8 cache, kl+ce, block 4: DEMO_V2). Read them with --baseline "demo (block 4)".
 DEMO_V2 = {**KL_CE, "block_size": 4}
@@ -93,13 +98,13 @@ VARIANTS.update({
     # not regenerated (stage one's forward only; the 768 cache's basis), and 2x the steps (the
     # human replies are short: about 2x the reply tokens); and its control, the steps alone.
     "+ 3x human replies": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 2400,
-                           "draft_vocab": 4096, "extra_cache": "/work/human/cache"},
+                           "draft_vocab": 4096, "extra_cache": HUMAN_CACHE},
     "draft vocab 4096 (2400 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 2400,
                                      "draft_vocab": 4096},
     # The human replies at the demo's own budget: a candidate for its defaults (2x the steps
     # alone changed nothing).
     "+ 3x human replies (1200 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200,
-                                       "draft_vocab": 4096, "extra_cache": "/work/human/cache"},
+                                       "draft_vocab": 4096, "extra_cache": HUMAN_CACHE},
 })
 
 
@@ -159,6 +164,8 @@ def main() -> None:
     parser.add_argument("--more-data", type=Path,
                         help=f"for '{MORE_DATA}': a cache built like --cache from more conversations")
     parser.add_argument("--more-data-prompts", type=Path, help="the prompts file --more-data was built from")
+    parser.add_argument("--human-cache", type=Path,
+                        help="for the '+ 3x human replies' rows: the second cache (demo.run's .demo/cache-human)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workers", type=int, default=1, help="runs at once (the CPU's threads shared out)")
     parser.add_argument("--threads", type=int,
@@ -202,10 +209,17 @@ def main() -> None:
             path = copy_target_layer(args.target, args.cache, int(source.rsplit("-", 1)[1]), args.work / source)
             VARIANTS[label] = {**VARIANTS[label], "init_from": str(path)}
 
+    human = [label for label in chosen if VARIANTS[label].get("extra_cache") == HUMAN_CACHE]
+    if human and args.human_cache is None:
+        parser.error(f"--variants {human} need --human-cache CACHE")
+
     def job(label: str, seed: int) -> Job:
+        overrides = VARIANTS[label]
+        if overrides.get("extra_cache") == HUMAN_CACHE:
+            overrides = {**overrides, "extra_cache": str(args.human_cache)}
         if label in MORE_DATA_ROWS:
-            return Job(label, str(args.more_data), seed, VARIANTS[label], prompts=str(args.more_data_prompts))
-        return Job(label, str(args.cache), seed, VARIANTS[label])
+            return Job(label, str(args.more_data), seed, overrides, prompts=str(args.more_data_prompts))
+        return Job(label, str(args.cache), seed, overrides)
 
     jobs = [job(label, int(seed))
             for seed in args.seeds.split(",") for label in chosen]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demo.prepare import chitchat_records, prepare_smollm2
+from dflash.shards.spec import BASIS_CODECS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +43,13 @@ class DemoConfig:
     sequences was 2.46 against 1.91 held out, after 800 steps 3.69 against 1.97; data and
     steps together help (bench/RESULTS.md "recipe": 768 conversations and 1,200 steps online
     1.775 +- 0.054 over 3 seeds, 512 and 800 1.727 +- 0.058)."""
+    human_conversations: int = 2304
+    """Further chitchat conversations (those after the first `num_conversations`) cached with
+    their own human replies, not regenerated: stage one's forward only (no generation), in the
+    first cache's feature basis (`dflash-precompute --feature-basis`), trained on beside it
+    (`fit --cache A --cache B`); every tau is measured on the first cache's held-out
+    sequences and prompts. Off-policy text, but 3x the data for a fraction of regeneration's
+    cost (bench/RESULTS.md "recipe"). 0: none."""
     max_new_tokens: int = 48
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
@@ -111,22 +119,22 @@ def run(cmd: list[str], *, capture_json: bool = False) -> dict | None:
     return json.loads(lines[-1])
 
 
-def prompts_file(work: Path, num_conversations: int) -> Path:
-    """WORK/chitchat.jsonl with `num_conversations` records: written if missing, reused if it
-    holds that many, refused (naming it) if it holds another number, since the cache and the
-    run under WORK were built from it."""
-    data = work / "chitchat.jsonl"
+def prompts_file(data: Path, *, first: int, count: int, flag: str) -> Path:
+    """`data` (JSONL) with the first exchange of chitchat conversations first .. first+count-1:
+    written if missing, reused if it holds `count` records, refused (naming it) if it holds
+    another number, since the caches and the run under WORK were built from it. `flag` is the
+    option that asks for `count`, for the messages."""
     if not data.is_file():
-        records = chitchat_records(limit=num_conversations, max_turns=2)
-        if len(records) < num_conversations:
-            raise SystemExit(f"--num-conversations {num_conversations}: chitchat_dataset has only {len(records)} "
-                             "usable conversations; ask for at most that many")
+        records = chitchat_records(limit=first + count, max_turns=2)[first:]
+        if len(records) < count:
+            raise SystemExit(f"{flag} {count}: chitchat_dataset has only {first + len(records)} usable "
+                             f"conversations, {len(records)} after the first {first}; ask for fewer")
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return data
     found = sum(1 for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
-    if found != num_conversations:
-        raise SystemExit(f"{data} holds {found} conversations, --num-conversations asks for {num_conversations}: "
-                         f"give another --work-dir, or delete {data} and the cache and run beside it")
+    if found != count:
+        raise SystemExit(f"{data} holds {found} conversations, {flag} asks for {count}: give another "
+                         f"--work-dir, or delete {data} and the caches and run beside it")
     return data
 
 
@@ -160,7 +168,8 @@ def main() -> None:
 
     print("== preparing SmolLM2-135M-Instruct and chitchat prompts", flush=True)
     target = prepare_smollm2(work)
-    data = prompts_file(work, config.num_conversations)
+    data = prompts_file(work / "chitchat.jsonl", first=0, count=config.num_conversations,
+                        flag="--num-conversations")
 
     cache, run_dir = work / "cache", work / "run"
     regenerate = ["--regenerate", "--max-new-tokens", str(config.max_new_tokens)]
@@ -183,8 +192,23 @@ def main() -> None:
         "--device", "cpu", "--json",
     ], capture_json=True)
 
+    caches = [cache]
+    human = None
+    if config.human_conversations:
+        # Their own replies: the target's forward only, encoded in the first cache's basis so
+        # that fit can train on both.
+        human_data = prompts_file(work / "chitchat-human.jsonl", first=config.num_conversations,
+                                  count=config.human_conversations, flag="--human-conversations")
+        caches.append(work / "cache-human")
+        human = run([
+            bin_path("dflash-precompute"), "--target", str(target), "--data", str(human_data),
+            "--out", str(caches[-1]), "--max-length", str(config.max_length), "--feature-codec",
+            config.feature_codec, *(["--feature-basis", str(cache)] if config.feature_codec in BASIS_CODECS else []),
+            "--device", "cpu", "--json",
+        ], capture_json=True)
+
     fit_args = [
-        bin_path("dflash-train"), "fit", "--cache", str(cache), "--out", str(run_dir),
+        bin_path("dflash-train"), "fit", *[arg for c in caches for arg in ("--cache", str(c))], "--out", str(run_dir),
         "--num-layers", str(config.num_layers), "--block-size", str(config.block_size),
         "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
         "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
@@ -217,6 +241,9 @@ def main() -> None:
     print("\n== summary")
     print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
           f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
+    if human is not None:
+        print(f"  + human      {human['num_sequences']:,} sequences, {human['num_tokens']:,} tokens with their human "
+              f"replies (forward only, the same basis)")
     bf16_bytes = 2 * len(info["feature_layers"]) * info["hidden_size"]
     print(f"  features     {info['bytes_per_token']['features']:,.0f} bytes/token ({info['feature_codec']}"
           + (f", rank {info['feature_rank']}" if info.get("feature_rank") else "")

@@ -1,5 +1,6 @@
-"""The demo's prompts file: reused when it holds --num-conversations records, refused naming
-the file when it holds another number (the cache and run beside it came from it)."""
+"""The demo's prompts files: written with the asked range of conversations, reused when they
+hold the asked number of records, refused naming the file when they hold another number (the
+caches and run beside them came from them)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,47 @@ import json
 
 import pytest
 
+import demo.run
 from demo.run import prompts_file
 
 
+def _record(i):
+    return {"id": str(i), "messages": [{"role": "user", "content": f"hi {i}"},
+                                       {"role": "assistant", "content": "hello"}]}
+
+
 def _write(path, count):
-    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    path.write_text("".join(json.dumps({**record, "id": str(i)}) + "\n" for i in range(count)) + "\n")
+    path.write_text("".join(json.dumps(_record(i)) + "\n" for i in range(count)) + "\n")
 
 
 def test_a_file_with_the_asked_number_is_reused(tmp_path):
     _write(tmp_path / "chitchat.jsonl", 3)
     before = (tmp_path / "chitchat.jsonl").read_bytes()
-    assert prompts_file(tmp_path, 3) == tmp_path / "chitchat.jsonl"
+    assert prompts_file(tmp_path / "chitchat.jsonl", first=0, count=3, flag="--n") == tmp_path / "chitchat.jsonl"
     assert (tmp_path / "chitchat.jsonl").read_bytes() == before
 
 
 def test_a_file_with_another_number_is_refused_by_name(tmp_path):
     _write(tmp_path / "chitchat.jsonl", 3)
     with pytest.raises(SystemExit) as raised:
-        prompts_file(tmp_path, 5)
+        prompts_file(tmp_path / "chitchat.jsonl", first=0, count=5, flag="--num-conversations")
     message = str(raised.value)
     assert str(tmp_path / "chitchat.jsonl") in message
-    assert "holds 3 conversations" in message and "asks for 5" in message
+    assert "holds 3 conversations" in message and "--num-conversations asks for 5" in message
+
+
+def test_a_new_file_holds_the_conversations_after_the_first(tmp_path, monkeypatch):
+    asked = []
+
+    def records(limit, max_turns):
+        asked.append((limit, max_turns))
+        return [_record(i) for i in range(min(limit, 10))]
+
+    monkeypatch.setattr(demo.run, "chitchat_records", records)
+    path = prompts_file(tmp_path / "human.jsonl", first=4, count=3, flag="--human-conversations")
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in written] == ["4", "5", "6"] and written[0] == _record(4)
+    assert asked == [(7, 2)]  # the first exchange of the first 7 conversations
+    with pytest.raises(SystemExit, match="has only 10 usable conversations, 2 after the first 8"):
+        prompts_file(tmp_path / "more.jsonl", first=8, count=5, flag="--human-conversations")
+    assert not (tmp_path / "more.jsonl").exists()
