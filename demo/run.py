@@ -10,10 +10,11 @@ trained drafter offline and online (real speculative decoding against the target
 (default `.demo/` in the repository); a rerun reuses what is there: the prepared target and
 prompts, the finished cache, the finished run.
 
-The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 3, a
-few hundred one-exchange conversations whose replies the target regenerates greedily. The
-loss dominates training time on CPU (every labelled position scores all 49,152 vocabulary
-rows), so the demo trains for a fixed number of steps rather than epochs.
+The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 3, 768
+one-exchange conversations whose replies the target regenerates greedily, 1,200 steps, and a
+draft vocabulary of the 4,096 most frequent reply tokens (scoring the whole 49,152-row head
+was most of a training step and of a draft). Each of these is the best measured within the
+demo's time (bench/RESULTS.md "recipe" has every change tried, with 3 seeds).
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ class DemoConfig:
     sequences was 2.46 against 1.91 held out, after 800 steps 3.69 against 1.97; data and
     steps together help (bench/RESULTS.md "recipe": 768 conversations and 1,200 steps online
     1.775 +- 0.054 over 3 seeds, 512 and 800 1.727 +- 0.058)."""
-    human_conversations: int = 2304
+    human_conversations: int = 0
     """Further chitchat conversations (those after the first `num_conversations`) cached with
     their own human replies, not regenerated: stage one's forward only (no generation), in the
     first cache's feature basis (`dflash-precompute --feature-basis`), trained on beside it
     (`fit --cache A --cache B`); every tau is measured on the first cache's held-out
-    sequences and prompts. Off-policy text, but 3x the data for a fraction of regeneration's
-    cost (bench/RESULTS.md "recipe"). 0: none."""
+    sequences and prompts. 0 (the default): none. 2,304 of them with 2,400 steps added 6%
+    online tau over 3 seeds, but at the demo's 1,200 steps nothing, for 340 s of stage one on
+    a 2-core EPYC (bench/RESULTS.md "recipe", 2026-12-03)."""
     max_new_tokens: int = 48
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
