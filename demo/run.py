@@ -50,8 +50,9 @@ class DemoConfig:
     first cache's feature basis (`dflash-precompute --feature-basis`), trained on beside it
     (`fit --cache A --cache B`); every tau is measured on the first cache's held-out
     sequences and prompts. 0 (the default): none. 2,304 of them with 2,400 steps added 6%
-    online tau over 3 seeds, but at the demo's 1,200 steps nothing, for 340 s of stage one on
-    a 2-core EPYC (bench/RESULTS.md "recipe", 2026-12-03)."""
+    online tau over 3 seeds, at the demo's 1,200 steps +1.2% online and -2.9% offline (within
+    the seeds' spread), for 340 s of stage one on a 2-core EPYC (bench/RESULTS.md "recipe",
+    2026-12-03)."""
     max_new_tokens: int = 48
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
