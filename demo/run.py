@@ -152,12 +152,16 @@ def parse_args() -> DemoConfig:
     import argparse
     import dataclasses
 
+    from dflash.shards.options import field_info, help_text
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for field in dataclasses.fields(DemoConfig):
+        flag = "--" + field.name.replace("_", "-")
+        helped = help_text(field_info(DemoConfig, field)).replace("%", "%%")  # argparse formats help with %
         if field.type in (bool, "bool"):
-            parser.add_argument("--" + field.name.replace("_", "-"), action="store_true")
+            parser.add_argument(flag, action="store_true", help=helped)
         elif field.name != "work_dir":
-            parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
+            parser.add_argument(flag, type=type(field.default), default=field.default, help=helped)
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo")),
                         help="where everything is prepared and written (env DFLASH_DEMO_DIR)")
     return DemoConfig(**vars(parser.parse_args()))
