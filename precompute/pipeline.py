@@ -185,7 +185,8 @@ def compute_sample(run: RankRun, items: list[Item], *,
     every result to `on_result`; returns {key: result} for every sample record, None for a
     record rejected on the way or already done (kept for `compute` to write)."""
     kept: dict[Key, Computed | None] = {item.key: None for item in items}
-    with _progress(run, items, "basis sample") as bar:
+    # With a reused basis nothing is fitted: the same records, run first for the same batches.
+    with _progress(run, items, "basis sample" if on_result is not None else "sample (basis reused)") as bar:
         for batch in plan_batches([item.num_tokens for item in items], run.config.batch_tokens):
             members = [items[i] for i in batch]
             if all(m.key in run.done for m in members):

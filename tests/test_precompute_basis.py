@@ -139,3 +139,12 @@ def test_feature_basis_is_refused_without_a_basis_codec_or_a_file(target, data, 
         config(target, data, tmp_path / "a", feature_basis=one_rank.path)
     with pytest.raises(ValueError, match="no such file"):
         config(target, data, tmp_path / "b", feature_basis=tmp_path / "missing.safetensors", **CODEC)
+
+
+def test_the_progress_bar_says_whether_a_basis_is_fitted_or_reused(target, data, tmp_path, one_rank, capsys):
+    run_precompute(config(target, data, tmp_path / "fitted", progress=True, **CODEC))
+    fitted = capsys.readouterr().err
+    run_precompute(config(target, data, tmp_path / "reused", feature_basis=one_rank.path, progress=True, **CODEC))
+    reused = capsys.readouterr().err
+    assert "basis sample" in fitted and "basis reused" not in fitted
+    assert "sample (basis reused)" in reused and "basis sample" not in reused
