@@ -50,18 +50,19 @@ if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
 fi
 
 # dflash.* is a namespace of top-level folders mapped by pyproject.toml; without an install,
-# a directory holding dflash/kernels -> this checkout's kernels/ gives the same import name.
+# a directory holding dflash/kernels -> this checkout's kernel/ gives the same import name.
 if ! "$PY" -c "import dflash.kernels, dflash.train" >/dev/null 2>&1; then
   SHIM="$(mktemp -d)"
   mkdir -p "$SHIM/dflash"
-  for part in kernels shards train precompute; do ln -s "$REPO/$part" "$SHIM/dflash/$part"; done
+  for part in shards train precompute; do ln -s "$REPO/$part" "$SHIM/dflash/$part"; done
+  ln -s "$REPO/kernel" "$SHIM/dflash/kernels"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - "$REPO" <<'EOF'
 import os, sys, torch, triton
 import dflash.kernels
 where = os.path.realpath(os.path.dirname(dflash.kernels.__file__))
-if where != os.path.realpath(os.path.join(sys.argv[1], "kernels")):
+if where != os.path.realpath(os.path.join(sys.argv[1], "kernel")):
     sys.exit(f"gpu_check: FAIL: dflash.kernels imports from {where}, not this checkout; "
              "uninstall that copy or run from it")
 print(f"gpu_check: python {sys.executable}, torch {torch.__version__}, triton {triton.__version__}, "

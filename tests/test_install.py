@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-COLLIDING = {"kernels", "train", "shards", "precompute"}
+COLLIDING = {"kernels", "kernel", "train", "shards", "precompute"}
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,15 @@ def test_regular_install_adds_no_colliding_top_level_module(scratch_venv):
 def test_editable_install_resolves_to_repository_folders():
     import dflash.shards
     assert Path(dflash.shards.__file__).resolve().parent == REPO / "shards"
+
+
+def test_repository_root_does_not_shadow_pypi_kernels():
+    """From the repository root (on sys.path under `python -m` and pytest) `import kernels` is
+    the PyPI package transformers imports (its hub_kernels integration), not a folder of ours."""
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "print(spec.origin if spec else 'absent')\n")
+    where = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                           cwd=REPO).stdout.strip()
+    assert where == "absent" or Path(where).parent.parent != REPO, (
+        f"`import kernels` from the repository root finds the repository's own folder {where}")

@@ -165,7 +165,7 @@ def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce
 
 def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, naive, vocab_pass,
                 workspace_bytes):
-    """The naive or chunked torch impl's [N] row losses and [N] argmax (kernels/reference.py)."""
+    """The naive or chunked torch impl's [N] row losses and [N] argmax (kernel/reference.py)."""
     if naive:
         lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
     else:
@@ -177,7 +177,7 @@ def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weigh
 
 
 def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
-    """The triton impl's [N] row losses and [N] argmax (kernels/sparse_kl.py)."""
+    """The triton impl's [N] row losses and [N] argmax (kernel/sparse_kl.py)."""
     try:
         from . import sparse_kl
     except ImportError as err:
