@@ -30,7 +30,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 from demo.prepare import prepare_chitchat, prepare_smollm2
-from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.precompute.config import PrecomputeConfig
+from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 
 

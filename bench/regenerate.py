@@ -47,7 +47,8 @@ def in_process(target: Path, data: Path, out: Path, args: argparse.Namespace) ->
     """A real stage-one run with --regenerate; its timing and the replies it cached (in input order)."""
     from transformers import AutoTokenizer
 
-    from dflash.precompute.run import PrecomputeConfig, run_precompute
+    from dflash.precompute.config import PrecomputeConfig
+    from dflash.precompute.run import run_precompute
     from dflash.shards import open_cache
 
     summary = run_precompute(PrecomputeConfig(

@@ -11,8 +11,9 @@ import os
 
 import click
 
+from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.regenerate_cli import parse_template_kwargs
-from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.precompute.run import run_precompute
 from dflash.shards.commands import DflashCommand, version_option
 from dflash.shards.options import config_options, given
 from dflash.shards.spec import FEATURE_CODECS

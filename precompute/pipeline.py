@@ -43,7 +43,7 @@ from dflash.shards import CacheWriter
 from dflash.shards.records import InputRecord, RecordError, cut_assistant_turns, iter_records, normalize_record
 
 if TYPE_CHECKING:
-    from dflash.precompute.run import PrecomputeConfig
+    from dflash.precompute.config import PrecomputeConfig
     from dflash.precompute.target import Target, TargetOutput
 
 NO_REPLY = "conversation has no assistant turn: give a reply or use --regenerate"

@@ -164,7 +164,7 @@ RECORDS = [{"messages": c} for c in CONVERSATIONS] + [
 
 def precompute_config(target, data, out, **overrides):
     """A PrecomputeConfig for the tiny targets: top-8, 3 feature layers, 3-row shards, CPU."""
-    from dflash.precompute.run import PrecomputeConfig
+    from dflash.precompute.config import PrecomputeConfig
 
     options = dict(target=target, data=[data], out=out, top_k=8, num_feature_layers=3,
                    batch_tokens=300, shard_max_rows=3, device="cpu", progress=False)
@@ -273,7 +273,7 @@ def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
 
 def truth(hidden, weight, ids, logprobs, weights=None, *, tail="bucket", reduction="mean",
           ce_targets=None, ce_weight=0.0):
-    """float64 loss straight from the formula in kernels/sparse_kl.py's docstring (inputs are
+    """float64 loss straight from the formula in kernel/sparse_kl.py's docstring (inputs are
     upcast exactly)."""
     logp = (hidden.double() @ weight.double().T).log_softmax(1)  # [N, V] f64
     lp = logp.gather(1, ids)  # [N, k]
@@ -317,7 +317,8 @@ SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "
 KILLED_RUN = """
 import json, os, signal, sys
 from dflash.shards import CacheWriter
-from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.precompute.config import PrecomputeConfig
+from dflash.precompute.run import run_precompute
 
 options, kill_after = json.loads(sys.argv[1]), int(sys.argv[2])
 add, count = CacheWriter.add, [0]

@@ -139,7 +139,7 @@ def test_verify_on_a_corrupt_shard_does_not_advise_verify(tmp_path):
     ([5, 1, 3], r"must be ascending \(serving engines sort target_layer_ids.*give 1,3,5"),
 ])
 def test_feature_layers_that_an_engine_would_reorder_are_refused(tmp_path, layers, match):
-    from dflash.precompute.run import PrecomputeConfig
+    from dflash.precompute.config import PrecomputeConfig
 
     with pytest.raises(ValueError, match=match):
         PrecomputeConfig(target=str(tmp_path), data=[str(tmp_path / "d.jsonl")], out=str(tmp_path / "c"),

@@ -291,7 +291,8 @@ def test_several_servers_share_the_work(server, target, tmp_path):
 
 
 def test_regenerated_records_build_a_cache_that_trains_and_evaluates(target, server, tmp_path):
-    from dflash.precompute.run import PrecomputeConfig, run_precompute
+    from dflash.precompute.config import PrecomputeConfig
+    from dflash.precompute.run import run_precompute
     from dflash.shards import open_cache
 
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS)

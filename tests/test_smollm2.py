@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from demo.prepare import prepare_chitchat, prepare_smollm2
-from dflash.precompute.run import PrecomputeConfig, run_precompute
+from dflash.precompute.config import PrecomputeConfig
+from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.train.cli import main as train_main
 

@@ -89,7 +89,8 @@ BAD_INPUT_KINDS: dict[str, tuple[str, Callable[[np.random.Generator], bytes]]] =
 def trial_bad_input(ws: Workspace, rng: np.random.Generator, trial: int,
                     kinds: list[str] | None = None) -> list[Outcome]:
     """One input file of good and malformed records (every kind at least once), one run."""
-    from dflash.precompute.run import PrecomputeConfig, run_precompute
+    from dflash.precompute.config import PrecomputeConfig
+    from dflash.precompute.run import run_precompute
 
     kinds = list(BAD_INPUT_KINDS) if kinds is None else kinds
     # Every kind once, a few kinds twice, between good records, in a random order.

@@ -1,0 +1,145 @@
+"""Stage one's configuration: `PrecomputeConfig`, everything `dflash-precompute` does as one
+validated value. Its fields' docstrings are the command's `--help` (dflash.shards.options).
+
+It sits below run.py, pipeline.py and basis.py, which all take it, so that none of them imports
+another for its type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.shards.options import NONE_WORD
+from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
+
+
+@dataclass(kw_only=True)
+class PrecomputeConfig:
+    """Everything `dflash-precompute` does, as one validated value."""
+
+    target: Path
+    """Hugging Face causal-LM directory."""
+    data: list[Path]
+    """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
+    out: Path
+    """Cache directory to write."""
+    top_k: int = 32
+    """Next-token candidates cached per position."""
+    feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto"})
+    """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick
+    num_feature_layers."""
+    num_feature_layers: int = 5
+    """Layers the DFlash rule picks when feature_layers is auto."""
+    feature_codec: str = "bf16"
+    """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens:
+    basis-bf16, basis-fp8."""
+    feature_rank: int | None = None
+    """Basis codecs: coefficients per token (default: the target's hidden size H)."""
+    basis_sample_tokens: int = 65536
+    """Basis codecs: tokens of the first records (in input order, prompts and replies) the basis is fitted
+    on before any row is written."""
+    feature_basis: Path | None = None
+    """Basis codecs: encode with this basis (another cache's folder or its feature_basis.safetensors)
+    instead of fitting one, so that `fit` can train on both caches (it refuses caches of different
+    bases)."""
+    topk_codec: str = "packed"
+    """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
+    max_length: int = 3072
+    """Longer renderings are cut to this many tokens (and counted)."""
+    batch_tokens: int = 16384
+    """Padded tokens per planned batch (count x longest): per generate call, and per target
+    forward unless --forward-batch-tokens is smaller."""
+    forward_batch_tokens: int = 0
+    """Padded tokens per target forward, at most --batch-tokens; 0: --batch-tokens on a GPU, 2048
+    on a CPU, where large forwards run slower (SmolLM2-135M, 2 cores, float32: 400 conversations'
+    forward 49 s at 16,384 against 27 s at 2,048; every activation past glibc's 32 MB mmap
+    threshold is mapped and faulted in afresh). The rows are the same either way."""
+    device: str = "auto"
+    """auto, cpu or cuda (one GPU per process, by local rank)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32."""
+    limit: int | None = None
+    """Read at most this many records in total (all inputs together)."""
+    regenerate: bool = False
+    """Replace the assistant replies by the target's own (prompt-only records get one)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """JSON object passed to the chat template, e.g. '{"enable_thinking": false}'; kept in the manifest."""
+    chat_template: Path | None = None
+    """Jinja chat template file to use instead of the tokenizer's; its text is kept in the manifest."""
+    max_new_tokens: int = 512
+    """Longest regenerated reply, in tokens."""
+    temperature: float = 0.0
+    """Regeneration temperature: 0 is greedy, > 0 samples (seeded by seed)."""
+    seed: int = 0
+    """Seed of sampled regeneration."""
+    nproc: int = 1
+    """Local worker processes to spawn (one per GPU); 1 under torchrun."""
+    strict: bool = False
+    """Make the first rejected record an error."""
+    overwrite: bool = False
+    """Replace an existing cache at --out (only a directory that is a dflash cache)."""
+    trust_remote_code: bool = False
+    """Let transformers run the target repository's own code."""
+    shard_max_rows: int = 1024
+    """Sequences per shard."""
+    dist_timeout_s: float = 6 * 3600.0
+    """How long a rank waits for the others at a collective before it fails."""
+    progress: bool = True
+    """Progress bar on stderr (rank 0)."""
+
+    def __post_init__(self) -> None:
+        self.target, self.out = Path(self.target), Path(self.out)
+        self.data = [Path(p) for p in ([self.data] if isinstance(self.data, (str, Path)) else self.data)]
+        if not self.data:
+            raise ValueError("give at least one --data input")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"--chat-template-kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
+        if self.chat_template is not None:
+            self.chat_template = Path(self.chat_template)
+            if not self.chat_template.is_file():
+                raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.feature_basis is not None:
+            self.feature_basis = Path(self.feature_basis)
+            if self.feature_basis.is_dir():  # another cache's folder: its basis file
+                self.feature_basis = self.feature_basis / "feature_basis.safetensors"
+        checks = [
+            (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
+            (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
+            (self.feature_codec in FEATURE_CODECS,
+             f"--feature-codec must be one of {', '.join(FEATURE_CODECS)}, got {self.feature_codec!r}"),
+            (self.feature_rank is None or (self.feature_rank >= 1 and self.feature_codec in BASIS_CODECS),
+             f"--feature-rank must be >= 1 and goes with a basis codec, got {self.feature_rank} with "
+             f"{self.feature_codec}"),
+            (self.basis_sample_tokens >= 1, f"--basis-sample-tokens must be >= 1, got {self.basis_sample_tokens}"),
+            (self.feature_basis is None or self.feature_codec in BASIS_CODECS,
+             f"--feature-basis goes with a basis codec ({', '.join(BASIS_CODECS)}), got {self.feature_codec}"),
+            (self.feature_basis is None or Path(self.feature_basis).is_file(),
+             f"--feature-basis {self.feature_basis}: no such file (give another cache's feature_basis.safetensors)"),
+            (self.topk_codec in ("packed", "raw"), f"--topk-codec must be packed or raw, got {self.topk_codec!r}"),
+            (self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}"),
+            (self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}"),
+            (self.forward_batch_tokens >= 0,
+             f"--forward-batch-tokens must be >= 0 (0: automatic), got {self.forward_batch_tokens}"),
+            (self.limit is None or self.limit >= 1, f"--limit must be >= 1, got {self.limit}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
+            (self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}"),
+            (self.shard_max_rows >= 1, f"shard_max_rows must be >= 1, got {self.shard_max_rows}"),
+            (self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.feature_layers is not None:
+            if not self.feature_layers or len(set(self.feature_layers)) != len(self.feature_layers):
+                raise ValueError(f"--feature-layers must list distinct layer ids, got {self.feature_layers}")
+            if self.feature_layers != sorted(self.feature_layers):
+                # Serving engines (vLLM, SGLang) sort target_layer_ids before feeding the drafter,
+                # so fc's column blocks would meet the wrong layers, silently.
+                raise ValueError(f"--feature-layers must be ascending (serving engines sort target_layer_ids, "
+                                 f"so the drafter would meet the wrong layers): give "
+                                 f"{','.join(map(str, sorted(self.feature_layers)))}")
+
+
+__all__ = ["PrecomputeConfig"]
