@@ -178,6 +178,19 @@ class InputRecord:
 
 # ----------------------------------------------------------------------------- readers
 
+# How an input file's name ends (lowercased) -> its format: the reader's one list, which the
+# unknown-format error prints. No ending is the tail of another, so their order does not matter.
+INPUT_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".jsonl.zst": "jsonl.zst",
+    ".ndjson.zst": "jsonl.zst",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
+
+
 def input_format(path: Path, flag: str = "--data") -> str:
     """"jsonl", "jsonl.zst", "json", "parquet" or "datasets" for `path`; ValueError naming
     `flag` (the option that gave the path) when unknown."""
@@ -185,18 +198,13 @@ def input_format(path: Path, flag: str = "--data") -> str:
         return "datasets"
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file or directory")
-    if path.name.lower().endswith((".jsonl.zst", ".ndjson.zst")):
-        return "jsonl.zst"
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        return "jsonl"
-    if suffix == ".json":
-        return "json"
-    if suffix in (".parquet", ".pq"):
-        return "parquet"
+    name = path.name.lower()
+    for suffix, fmt in INPUT_SUFFIXES.items():
+        if name.endswith(suffix):
+            return fmt
     raise ValueError(
-        f"{flag} {path}: unknown format {suffix!r}; give a .jsonl, .jsonl.zst, .json or .parquet file "
-        "or a directory written by datasets' save_to_disk"
+        f"{flag} {path}: unknown format {path.suffix.lower()!r}; give a file ending in "
+        f"{', '.join(INPUT_SUFFIXES)}, or a directory written by datasets' save_to_disk"
     )
 
 

@@ -89,6 +89,36 @@ def test_unknown_inputs_are_user_errors(tmp_path, name):
         list(iter_records([tmp_path / name]))
 
 
+def write_records(path, rows):
+    """`rows` in the format that `path`'s name asks for."""
+    if path.name.endswith((".parquet", ".pq")):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.name.endswith(".json"):
+        path.write_text(json.dumps(rows))
+    else:
+        data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+        if path.name.endswith(".zst"):
+            import zstandard
+
+            data = zstandard.ZstdCompressor().compress(data)
+        path.write_bytes(data)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".ndjson", ".jsonl.zst", ".ndjson.zst", ".json", ".parquet", ".pq"])
+def test_every_accepted_suffix_is_read_and_named_by_the_unknown_format_error(tmp_path, suffix):
+    rows = [{"prompt": "p0", "response": "r0"}, {"prompt": "p1", "response": "r1"}]
+    path = tmp_path / f"records{suffix}"
+    write_records(path, rows)
+    assert [r.data for r in iter_records([path])] == rows
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unknown format '.csv'") as error:
+        list(iter_records([tmp_path / "data.csv"]))
+    assert suffix in {word.strip(",") for word in str(error.value).split()}
+
+
 def test_input_sha256_covers_directory_contents(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("1")
