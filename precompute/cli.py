@@ -20,7 +20,7 @@ from dflash.shards.options import config_options, given
 _REGENERATE_ONLY = ("max_new_tokens", "temperature", "seed")
 
 
-@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@click.command(cls=DflashCommand)
 @version_option
 @config_options(PrecomputeConfig, skip=("dist_timeout_s",))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")

@@ -15,7 +15,7 @@ from dflash.shards.commands import DflashCommand, version_option
 from dflash.shards.options import config_options, given
 
 
-@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@click.command(cls=DflashCommand)
 @version_option
 @config_options(RegenerateConfig, skip=("backoff_s",))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
