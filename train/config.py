@@ -8,9 +8,8 @@ the component's own module); the flags' help is generated from them (`describe_f
 
 A rerun with the same RUN resumes, and refuses a config that differs in a field that would
 change the numbers (a field whose metadata holds `RESUMABLE` may change between runs:
-`RESUMABLE_CHANGES`). A
-field missing from a saved config.json (one written before the field existed) counts as its
-default.
+`RESUMABLE_CHANGES`). A field missing from a saved config.json (one written before the field
+existed) counts as its default.
 """
 
 from __future__ import annotations
