@@ -25,86 +25,84 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
+
 from demo.prepare import chitchat_records, prepare_smollm2
-from dflash.shards.spec import BASIS_CODECS
+from dflash.shards.commands import DflashCommand
+from dflash.shards.options import ONLY_ON, PATH, check_choices, config_options, given
+from dflash.shards.spec import BASIS_CODECS, FeatureCodec
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _default_work_dir() -> Path:
+    return Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo"))
+
+
 @dataclass(kw_only=True)
 class DemoConfig:
-    work_dir: Path
-    """Where the target, prompts, cache and run live."""
+    work_dir: Path = field(default_factory=_default_work_dir, metadata={PATH: "dir"})
+    """Where the target, prompts, cache and run live; DFLASH_DEMO_DIR sets the default (else .demo in
+    the repository)."""
     num_conversations: int = 768
-    """chitchat conversations cached (first exchange of each; replies regenerated). The
-    drafter memorises a small cache: on 256, after 400 steps, offline tau on its training
-    sequences was 2.46 against 1.91 held out, after 800 steps 3.69 against 1.97; data and
-    steps together help (bench/RESULTS.md "recipe": 768 conversations and 1,200 steps online
-    1.775 +- 0.054 over 3 seeds, 512 and 800 1.727 +- 0.058)."""
+    """chitchat conversations cached (the first exchange of each; the target regenerates the
+    replies)."""
     human_conversations: int = 0
     """Further chitchat conversations (those after the first `num_conversations`) cached with
     their own human replies, not regenerated: stage one's forward only (no generation), in the
     first cache's feature basis (`dflash-precompute --feature-basis`), trained on beside it
-    (`fit --cache A --cache B`); every tau is measured on the first cache's held-out
-    sequences and prompts. 0 (the default): none. 2,304 of them with 2,400 steps added 6%
-    online tau over 3 seeds, at the demo's 1,200 steps +1.2% online and -2.9% offline (within
-    the seeds' spread), for 340 s of stage one on a 2-core EPYC (bench/RESULTS.md "recipe",
-    2026-12-03)."""
+    (`fit --cache A --cache B`); every tau is scored on the first cache's held-out sequences
+    and prompts. 0: none."""
     max_new_tokens: int = 48
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
     """Longest cached sequence, in tokens."""
-    feature_codec: str = "basis-fp8"
-    """How the cache stores features (dflash-precompute --feature-codec): basis-fp8 at rank H
-    takes 0.10x of bf16's bytes at the same tau (3 seeds, bench/RESULTS.md feature_codecs)."""
+    feature_codec: FeatureCodec = "basis-fp8"
+    """How the cache stores features (dflash-precompute --feature-codec)."""
     feature_rank: int = 0
     """Basis codecs: coefficients per token (0: the target's hidden size)."""
     num_layers: int = 1
     """Drafter decoder layers."""
     block_size: int = 3
-    """Draft block size: the anchor and 2 drafts per verify. Small, not the recipe's 16: a drafter
-    this small and this briefly trained rarely has more than 2 tokens accepted, and on CPU a
-    verify costs more per token it checks (SmolLM2 on 2 cores: 35 ms for 1 token, 55 ms for
-    4), so checking fewer drafts is faster. On one drafter, decoding with block 3 ran 1.09x
-    plain greedy where block 4 ran 0.90x; training at 3 beat a block-4 drafter decoding at 3
-    (bench/RESULTS.md "recipe"; block 8: -9% online against 4, 16: -23%)."""
+    """Draft block size: the anchor and block_size - 1 drafts per verify. Small, not fit's 16: a
+    drafter this small and this briefly trained rarely has more than 2 drafts accepted, and on a
+    CPU a verify costs more for every token it checks, so checking fewer drafts is faster."""
     anchors_per_seq: int = 32
     """Blocks drawn per sequence per epoch."""
     tokens_per_step: int = 510
     """Block tokens per optimizer step (170 blocks of 3)."""
     max_steps: int = 1200
-    """Training steps (with 3x the data of 256 conversations, 3x the steps)."""
+    """Training steps."""
     lr: float = 1e-3
-    """Peak learning rate (higher than the recipe's 6e-4: the demo trains only briefly)."""
+    """Peak learning rate (higher than fit's 6e-4: the demo trains only briefly)."""
     draft_vocab: int = 4096
-    """`fit --draft-vocab`: draft from the 4,096 most frequent reply tokens (0: the whole
-    vocabulary). The same tau over 3 seeds (bench/RESULTS.md "recipe", night), with a head 12x
-    smaller: training runs 2-4x faster and each draft is cheaper, so decoding gains (1.36x plain
-    greedy in a fresh clone against 1.23x; 1.35x against 1.17x over 3 seeds under load). The
-    export then carries `lm_head.weight` and `d2t`, which vLLM serves and z-lab's
-    DFlashDraftModel does not load (pass 0 for a z-lab-loadable demo)."""
+    """`fit --draft-vocab`: draft from this many of the most frequent reply tokens (0: the whole
+    vocabulary): a smaller head makes training and each draft cheaper. The export then carries
+    `lm_head.weight` and `d2t`, which vLLM serves and z-lab's DFlashDraftModel does not load
+    (pass 0 for a z-lab-loadable demo)."""
     eval_fraction: float = 0.1
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
-    server: bool = False
+    server: bool = field(default=False, metadata={ONLY_ON: True})
     """Regenerate the replies through a local `transformers serve` and dflash-regenerate
     instead of in-process `dflash-precompute --regenerate`."""
-    vllm_server: bool = False
-    """As --server, through vLLM's OpenAI server from the engine venv (built when absent, about
-    6 minutes) at concurrency 64. Not the default: on this CPU it regenerates no faster than
-    in-process `generate` (32 demo prompts: 134 new tokens/s at concurrency 64 against 131,
-    15 at concurrency 1; bench/RESULTS.md "regenerate"), and a fresh clone would first install
-    vLLM. On GPUs, at tens of thousands of conversations, the server path is the one to take."""
-    engine_check: bool = False
+    vllm_server: bool = field(default=False, metadata={ONLY_ON: True})
+    """As --server, through vLLM's OpenAI server from the engine venv (built when absent) at
+    concurrency 64. Not the default: a fresh clone would first install vLLM, and on a CPU it
+    regenerates no faster than in-process `generate` (bench/RESULTS.md "regenerate"); on GPUs,
+    at tens of thousands of conversations, the server path is the one to take."""
+    engine_check: bool = field(default=False, metadata={ONLY_ON: True})
     """After the summary, decode the same held-out prompts in vLLM's CPU build with the exported
     drafter (bench/engine_check.py: lossless, vLLM's per-step acceptance against dflash's, speeds
-    at batch 1 and batched); builds the engine venv (.venv-engine, about 6 minutes) when absent."""
+    at batch 1 and batched); builds the engine venv (.venv-engine) when absent."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        self.work_dir = Path(self.work_dir)
         if self.num_conversations * self.eval_fraction < 1:
             raise ValueError("num_conversations x eval_fraction must be >= 1 so that some prompts are held out")
 
@@ -146,29 +144,16 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def parse_args() -> DemoConfig:
-    """DemoConfig from the command line: every field has a flag (`--max-steps 50`), for
-    quicker or larger runs than the default."""
-    import argparse
-    import dataclasses
-
-    from dflash.shards.options import field_info, help_text
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(DemoConfig):
-        flag = "--" + field.name.replace("_", "-")
-        helped = help_text(field_info(DemoConfig, field)).replace("%", "%%")  # argparse formats help with %
-        if field.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", help=helped)
-        elif field.name != "work_dir":
-            parser.add_argument(flag, type=type(field.default), default=field.default, help=helped)
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo")),
-                        help="where everything is prepared and written (env DFLASH_DEMO_DIR)")
-    return DemoConfig(**vars(parser.parse_args()))
+@click.command(cls=DflashCommand)
+@config_options(DemoConfig)
+def main(**options) -> None:
+    """The embedded default end to end: prepare SmolLM2-135M-Instruct and chitchat prompts,
+    cache, train, evaluate offline and online, summarise. Every DemoConfig field is a flag,
+    for quicker or larger runs than the default."""
+    run_demo(DemoConfig(**given(options)))
 
 
-def main() -> None:
-    config = parse_args()
+def run_demo(config: DemoConfig) -> None:
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -12,44 +12,17 @@ import os
 import click
 
 from dflash.precompute.config import PrecomputeConfig
-from dflash.precompute.regenerate_cli import parse_template_kwargs
 from dflash.precompute.run import run_precompute
 from dflash.shards.commands import DflashCommand, version_option
 from dflash.shards.options import config_options, given
-from dflash.shards.spec import FEATURE_CODECS
 
 # Options that only --regenerate uses: given without it, they have no effect.
 _REGENERATE_ONLY = ("max_new_tokens", "temperature", "seed")
 
 
-def _layer_ids(ctx, param, value: str | None) -> list[int] | None:
-    if value is None or value == "auto":
-        return None
-    try:
-        return [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected 'auto' or comma-separated layer ids like 1,9,17, got {value!r}") from None
-
-
-_PATH = click.Path(path_type=str)
-_OVERRIDES = {
-    "target": {"type": _PATH, "required": True},
-    "data": {"type": _PATH, "required": True},
-    "out": {"type": _PATH, "required": True},
-    "feature_layers": {"type": str, "multiple": False, "default": None, "callback": _layer_ids,
-                       "metavar": "auto|IDS"},
-    "feature_codec": {"type": click.Choice(FEATURE_CODECS)},
-    "topk_codec": {"type": click.Choice(["packed", "raw"])},
-    "device": {"type": click.Choice(["auto", "cpu", "cuda"])},
-    "dtype": {"type": click.Choice(["auto", "bfloat16", "float16", "float32"])},
-    "chat_template_kwargs": {"type": str, "callback": parse_template_kwargs, "metavar": "JSON"},
-    "chat_template": {"type": click.Path(path_type=str, dir_okay=False)},
-}
-
-
-@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@click.command(cls=DflashCommand)
 @version_option
-@config_options(PrecomputeConfig, skip=("dist_timeout_s",), overrides=_OVERRIDES)
+@config_options(PrecomputeConfig, skip=("dist_timeout_s",))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def main(as_json: bool, **options) -> None:
     """Run the target over chat data and write the cache stage two trains from."""

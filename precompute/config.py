@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dflash.shards.options import NONE_WORD
-from dflash.shards.spec import BASIS_CODECS, FEATURE_CODECS
+from dflash.shards.options import METAVAR, NONE_WORD, PATH, RESUMABLE, SEPARATOR, apply_none_words, check_choices
+from dflash.shards.spec import BASIS_CODECS, FeatureCodec, TopkCodec
 
 
 @dataclass(kw_only=True)
@@ -26,12 +26,13 @@ class PrecomputeConfig:
     """Cache directory to write."""
     top_k: int = 32
     """Next-token candidates cached per position."""
-    feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto"})
+    feature_layers: list[int] | None = field(default=None, metadata={NONE_WORD: "auto", SEPARATOR: ",",
+                                                                     METAVAR: "auto|IDS"})
     """Decoder-layer ids to cache, comma-separated (e.g. 1,9,17); auto (None) lets the DFlash rule pick
     num_feature_layers."""
     num_feature_layers: int = 5
     """Layers the DFlash rule picks when feature_layers is auto."""
-    feature_codec: str = "bf16"
+    feature_codec: FeatureCodec = "bf16"
     """Feature storage: bf16, fp8, or r coefficients per token in a basis fitted on the run's first tokens:
     basis-bf16, basis-fp8."""
     feature_rank: int | None = None
@@ -43,7 +44,7 @@ class PrecomputeConfig:
     """Basis codecs: encode with this basis (another cache's folder or its feature_basis.safetensors)
     instead of fitting one, so that `fit` can train on both caches (it refuses caches of different
     bases)."""
-    topk_codec: str = "packed"
+    topk_codec: TopkCodec = "packed"
     """Top-k storage: packed (about 1e-3 nat) or raw (lossless)."""
     max_length: int = 3072
     """Longer renderings are cut to this many tokens (and counted)."""
@@ -52,12 +53,10 @@ class PrecomputeConfig:
     forward unless --forward-batch-tokens is smaller."""
     forward_batch_tokens: int = 0
     """Padded tokens per target forward, at most --batch-tokens; 0: --batch-tokens on a GPU, 2048
-    on a CPU, where large forwards run slower (SmolLM2-135M, 2 cores, float32: 400 conversations'
-    forward 49 s at 16,384 against 27 s at 2,048; every activation past glibc's 32 MB mmap
-    threshold is mapped and faulted in afresh). The rows are the same either way."""
-    device: str = "auto"
+    on a CPU, where large forwards run slower (bench/RESULTS.md). The rows are the same either way."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda (one GPU per process, by local rank)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32."""
     limit: int | None = None
     """Read at most this many records in total (all inputs together)."""
@@ -65,7 +64,7 @@ class PrecomputeConfig:
     """Replace the assistant replies by the target's own (prompt-only records get one)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """JSON object passed to the chat template, e.g. '{"enable_thinking": false}'; kept in the manifest."""
-    chat_template: Path | None = None
+    chat_template: Path | None = field(default=None, metadata={PATH: "file"})
     """Jinja chat template file to use instead of the tokenizer's; its text is kept in the manifest."""
     max_new_tokens: int = 512
     """Longest regenerated reply, in tokens."""
@@ -73,22 +72,24 @@ class PrecomputeConfig:
     """Regeneration temperature: 0 is greedy, > 0 samples (seeded by seed)."""
     seed: int = 0
     """Seed of sampled regeneration."""
-    nproc: int = 1
+    nproc: int = field(default=1, metadata={RESUMABLE: True})
     """Local worker processes to spawn (one per GPU); 1 under torchrun."""
     strict: bool = False
     """Make the first rejected record an error."""
-    overwrite: bool = False
+    overwrite: bool = field(default=False, metadata={RESUMABLE: True})
     """Replace an existing cache at --out (only a directory that is a dflash cache)."""
     trust_remote_code: bool = False
     """Let transformers run the target repository's own code."""
     shard_max_rows: int = 1024
     """Sequences per shard."""
-    dist_timeout_s: float = 6 * 3600.0
+    dist_timeout_s: float = field(default=6 * 3600.0, metadata={RESUMABLE: True})
     """How long a rank waits for the others at a collective before it fails."""
-    progress: bool = True
+    progress: bool = field(default=True, metadata={RESUMABLE: True})
     """Progress bar on stderr (rank 0)."""
 
     def __post_init__(self) -> None:
+        apply_none_words(self)
+        check_choices(self)
         self.target, self.out = Path(self.target), Path(self.out)
         self.data = [Path(p) for p in ([self.data] if isinstance(self.data, (str, Path)) else self.data)]
         if not self.data:
@@ -106,8 +107,6 @@ class PrecomputeConfig:
         checks = [
             (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
             (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),
-            (self.feature_codec in FEATURE_CODECS,
-             f"--feature-codec must be one of {', '.join(FEATURE_CODECS)}, got {self.feature_codec!r}"),
             (self.feature_rank is None or (self.feature_rank >= 1 and self.feature_codec in BASIS_CODECS),
              f"--feature-rank must be >= 1 and goes with a basis codec, got {self.feature_rank} with "
              f"{self.feature_codec}"),
@@ -116,7 +115,6 @@ class PrecomputeConfig:
              f"--feature-basis goes with a basis codec ({', '.join(BASIS_CODECS)}), got {self.feature_codec}"),
             (self.feature_basis is None or Path(self.feature_basis).is_file(),
              f"--feature-basis {self.feature_basis}: no such file (give another cache's feature_basis.safetensors)"),
-            (self.topk_codec in ("packed", "raw"), f"--topk-codec must be packed or raw, got {self.topk_codec!r}"),
             (self.max_length >= 2, f"--max-length must be >= 2, got {self.max_length}"),
             (self.batch_tokens >= 1, f"--batch-tokens must be >= 1, got {self.batch_tokens}"),
             (self.forward_batch_tokens >= 0,

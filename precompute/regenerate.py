@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.files import atomic_path, fsync_file
+from dflash.shards.options import FLAG, PATH
 from dflash.shards.records import InputRecord, RecordError, iter_records, normalize_record
 
 
@@ -66,7 +67,7 @@ class RegenerateConfig:
     """JSONL (.jsonl.zst too), JSON, Parquet or datasets directory, read in this order; repeat for several."""
     out: Path
     """Output .jsonl or .jsonl.zst (compressed when the run finishes); rerun the same command to resume."""
-    servers: list[str]
+    servers: list[str] = field(metadata={FLAG: "--server"})
     """OpenAI-compatible server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); repeat for several."""
     model: str | None = None
     """Model name sent with each request (default: the first one the first server lists)."""
@@ -82,12 +83,12 @@ class RegenerateConfig:
     """Records in flight at once, over all servers (raise it until the servers' batches are full)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """JSON object sent as `chat_template_kwargs` with every request, e.g. '{"enable_thinking": false}'."""
-    chat_template: Path | None = None
+    chat_template: Path | None = field(default=None, metadata={PATH: "file"})
     """A Jinja chat template file, sent as the `chat_template` request field (vLLM accepts it;
     SGLang and transformers serve take a template at launch and refuse the field)."""
     limit: int | None = None
     """Read at most this many records."""
-    timeout_s: float = 600.0
+    timeout_s: float = field(default=600.0, metadata={FLAG: "--timeout"})
     """Seconds one request may take."""
     max_attempts: int = 5
     """Tries per request while a server does not answer (connection error, timeout, 408/429, 5xx)."""

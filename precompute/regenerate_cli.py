@@ -12,39 +12,12 @@ import click
 
 from dflash.precompute.regenerate import RegenerateConfig, ServerGone, run_regenerate
 from dflash.shards.commands import DflashCommand, version_option
-from dflash.shards.options import config_options, describe, given, help_text, option
+from dflash.shards.options import config_options, given
 
 
-def parse_template_kwargs(ctx, param, value: str | None) -> dict:
-    """--chat-template-kwargs: a JSON object, e.g. '{"enable_thinking": false}'."""
-    if value is None:
-        return {}
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise click.BadParameter(f"not JSON ({error.msg}): {value!r}") from None
-    if not isinstance(parsed, dict):
-        raise click.BadParameter(f"must be a JSON object like '{{\"enable_thinking\": false}}', got {value!r}")
-    return parsed
-
-
-_FIELDS = {info.name: info for info in describe(RegenerateConfig)}
-_PATH = click.Path(path_type=str)
-_OVERRIDES = {
-    "data": {"type": _PATH, "required": True},
-    "out": {"type": _PATH, "required": True},
-    "chat_template_kwargs": {"type": str, "callback": parse_template_kwargs, "metavar": "JSON"},
-    "chat_template": {"type": click.Path(path_type=str, dir_okay=False)},
-}
-
-
-@click.command(cls=DflashCommand, context_settings={"show_default": True})
+@click.command(cls=DflashCommand)
 @version_option
-@config_options(RegenerateConfig, skip=("servers", "timeout_s", "backoff_s", "progress"), overrides=_OVERRIDES)
-# Two fields whose flags are not their names: --server (repeated), --timeout.
-@click.option("--server", "servers", multiple=True, required=True, help=help_text(_FIELDS["servers"]))
-@click.option("--timeout", "timeout_s", type=float, default=None, help=help_text(_FIELDS["timeout_s"]))
-@option(_FIELDS["progress"])
+@config_options(RegenerateConfig, skip=("backoff_s",))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def main(as_json: bool, **options) -> None:
     """Regenerate the assistant replies of chat data with OpenAI-compatible servers."""

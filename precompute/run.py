@@ -63,6 +63,7 @@ from dflash.precompute.pipeline import RankRun, RankStats, compute, prepare, rea
 from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.shards.files import write_atomic
+from dflash.shards.options import resumable
 from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS
 
@@ -453,7 +454,7 @@ def _build_spec(config: PrecomputeConfig, target: Any, world_size: int) -> Cache
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()}
     options["data"] = [str(p) for p in config.data]
     options["world_size"] = world_size
-    for key in ("progress", "overwrite", "nproc", "dist_timeout_s"):
+    for key in resumable(PrecomputeConfig):  # a resumed run may change them: not the cache's identity
         options.pop(key)
     options["chat_template_text"] = _template_text(config)
     options["replies"] = replies_provenance(config)

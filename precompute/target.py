@@ -62,9 +62,8 @@ class Generated:
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
-    """"auto" -> cuda:local_rank when CUDA is available, else cpu."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    """"auto" -> cuda:local_rank when CUDA is available, else cpu (`device`: one of
+    PrecomputeConfig.device's choices, checked there)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -80,13 +79,11 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bfloat16 on GPU (where it is the native speed), float32 on CPU."""
-    names = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    """"auto" -> bfloat16 on GPU (where it is the native speed), float32 on CPU; else the named
+    dtype (`dtype`: one of PrecomputeConfig.dtype's choices, checked there)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in names:
-        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
-    return names[dtype]
+    return getattr(torch, dtype)
 
 
 def file_sha256(paths: list[Path]) -> str:

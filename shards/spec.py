@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 # Version 1: the layout in FORMAT.md. Version 2 adds the basis feature codecs (coefficients
 # in the rows, the basis in feature_basis.safetensors); caches of the version-1 codecs are
@@ -19,9 +19,13 @@ from typing import Any
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 
-FEATURE_CODECS = ("bf16", "fp8", "basis-bf16", "basis-fp8")
+# The codecs' names, spelled once: config fields take the Literal types (a flag's choices),
+# the tuples serve the checks of a spec read from disk.
+FeatureCodec = Literal["bf16", "fp8", "basis-bf16", "basis-fp8"]
+TopkCodec = Literal["packed", "raw"]
+FEATURE_CODECS: tuple[str, ...] = get_args(FeatureCodec)
 BASIS_CODECS = ("basis-bf16", "basis-fp8")
-TOPK_CODECS = ("packed", "raw")
+TOPK_CODECS: tuple[str, ...] = get_args(TopkCodec)
 
 
 def check_format_version(version: Any, where: str) -> None:

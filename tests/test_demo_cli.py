@@ -1,42 +1,35 @@
-"""The demo's command line: every DemoConfig field is a flag whose help is the field's own
-docstring and default, and given flags reach the config."""
+"""The demo's command line: given flags reach DemoConfig, the rest keep their defaults, and
+--work-dir defaults to DFLASH_DEMO_DIR. (Every flag's help and choices: tests/test_commands.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
-import sys
+from pathlib import Path
 
-import pytest
+from click.testing import CliRunner
 
-from demo.run import DemoConfig, parse_args
-from dflash.shards.options import field_docs
-
-
-def _help(monkeypatch, capsys) -> str:
-    monkeypatch.setattr(sys, "argv", ["demo.run", "--help"])
-    with pytest.raises(SystemExit) as exited:
-        parse_args()
-    assert exited.value.code == 0
-    return capsys.readouterr().out
+import demo.run
+from demo.run import REPO, DemoConfig
 
 
-def test_every_flag_is_explained_by_its_fields_docstring_and_default(monkeypatch, capsys):
-    text = " ".join(_help(monkeypatch, capsys).split())
-    docs = field_docs(DemoConfig)
-    for field in dataclasses.fields(DemoConfig):
-        if field.name == "work_dir":
-            continue
-        doc = docs[field.name]
-        assert doc, f"DemoConfig.{field.name} has no docstring"
-        shown = ("off" if not field.default else "on") if isinstance(field.default, bool) else str(field.default)
-        assert f"--{field.name.replace('_', '-')}" in text
-        assert f"{doc} [{shown}]" in text, field.name  # '%' in a docstring survives argparse
+def _config(monkeypatch, args: list[str]) -> DemoConfig:
+    seen = []
+    monkeypatch.setattr(demo.run, "run_demo", seen.append)
+    result = CliRunner().invoke(demo.run.main, args)
+    assert result.exit_code == 0, result.output
+    return seen[0]
 
 
 def test_given_flags_reach_the_config(monkeypatch, tmp_path):
-    monkeypatch.setattr(sys, "argv", ["demo.run", "--max-steps", "50", "--human-conversations", "12",
-                                      "--lr", "0.002", "--server", "--work-dir", str(tmp_path)])
-    config = parse_args()
+    config = _config(monkeypatch, ["--max-steps", "50", "--human-conversations", "12", "--lr", "0.002",
+                                   "--server", "--work-dir", str(tmp_path)])
     assert (config.max_steps, config.human_conversations, config.lr, config.server) == (50, 12, 0.002, True)
     assert config.work_dir == tmp_path
     assert config.num_conversations == DemoConfig.num_conversations  # the rest keep their defaults
+    assert (config.vllm_server, config.engine_check) == (False, False)
+
+
+def test_work_dir_defaults_to_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_DEMO_DIR", str(tmp_path / "elsewhere"))
+    assert _config(monkeypatch, []).work_dir == tmp_path / "elsewhere"
+    monkeypatch.delenv("DFLASH_DEMO_DIR")
+    assert _config(monkeypatch, []).work_dir == Path(REPO) / ".demo"

@@ -139,4 +139,4 @@ def test_export_cli_takes_dtype(tmp_path):
                                                  "--dtype", "float64"])
     assert result.exit_code == 2 and "bfloat16" in result.output
     result = CliRunner().invoke(export_command, ["--help"])
-    assert "[default: bfloat16]" in result.output
+    assert "[bfloat16]" in result.output

@@ -371,7 +371,7 @@ def test_cli_prints_the_summary_and_reports_errors(targets, data, tmp_path):
     result = CliRunner().invoke(main, [*args[:-3], "--top-k", "0"])
     assert result.exit_code == 1 and "--top-k must be >= 1" in result.output
     result = CliRunner().invoke(main, [*args, "--feature-layers", "x"])
-    assert result.exit_code == 2 and "comma-separated layer ids" in result.output
+    assert result.exit_code == 2 and "expected 'auto' or int values separated by ','" in result.output
 
 
 def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):

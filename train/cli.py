@@ -12,11 +12,8 @@ from __future__ import annotations
 import click
 
 from dflash.shards.commands import DflashGroup, version_option
-from dflash.shards.options import given, option
-from dflash.train.config import describe_fields, resolve
-
-# Fields that name folders: click checks that they are not files.
-_FOLDER_FIELDS = ("cache", "out")
+from dflash.shards.options import apply, flags, given
+from dflash.train.config import FitConfig, resolve
 
 
 @click.group(cls=DflashGroup)
@@ -30,14 +27,13 @@ def main() -> None:
 
 
 def _fit_options(command):
-    """Decorate `command` with --cache, --out, --config, then one option per config field."""
+    """Decorate `command` with --cache, --out, --config, then one option per config field
+    (none required: the config file may give --cache and --out)."""
     config_file = click.option(
         "--config", "config_file", type=click.Path(dir_okay=False, exists=True),
         help="TOML file with the same fields (top level, or in [section] tables); flags override it.")
-    fields = [option(info, folder=info.name in _FOLDER_FIELDS) for info in describe_fields()]
-    for decorate in reversed([*fields[:2], config_file, *fields[2:]]):  # the first decorator is listed last
-        command = decorate(command)
-    return command
+    fields = flags(FitConfig, required=False)
+    return apply([*fields[:2], config_file, *fields[2:]], command)
 
 
 @main.command()

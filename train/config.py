@@ -7,15 +7,14 @@ leaf field, `FitConfig.to_dict`). Each field's default and docstring exist once,
 the component's own module); the flags' help is generated from them (`describe_fields`).
 
 A rerun with the same RUN resumes, and refuses a config that differs in a field that would
-change the numbers (`RESUMABLE_CHANGES` lists the fields that may change between runs). A
-field missing from a saved config.json (one written before the field existed) counts as its
-default.
+change the numbers (a field whose metadata holds `RESUMABLE` may change between runs:
+`RESUMABLE_CHANGES`). A field missing from a saved config.json (one written before the field
+existed) counts as its default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import types
 import typing
@@ -24,16 +23,17 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.shards.options import NONE_WORD, FieldInfo, field_docs, field_info
+from dflash.shards.options import NONE_WORD, PATH, RESUMABLE, FieldInfo, check_choices, describe, field_docs, resumable
 from dflash.train.gating import GatingConfig
 
 DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
 AUTO = {NONE_WORD: "auto"}
+BOOKKEEPING = {RESUMABLE: True}  # a resumed run may change it: it does not change the numbers
 
 
 def _positive(config: Any, *names: str) -> None:
@@ -71,6 +71,7 @@ class ModelConfig:
     does not load. None: the target's whole head (train/draft_vocab.py)."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.draft_vocab is not None:
             _positive(self, "draft_vocab")
         if self.num_layers is not None:
@@ -107,6 +108,7 @@ class DataConfig:
     resumed run draws what the uninterrupted one did."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         _positive(self, "anchors_per_seq", "epochs", "tokens_per_step")
         if not self.feature_noise >= 0:
             raise ValueError(f"fit config: feature_noise must be >= 0, got {self.feature_noise}")
@@ -138,25 +140,25 @@ class OptimizerConfig:
 class LossConfig:
     loss: Literal["kl", "ce", "kl+ce"] = "kl+ce"
     """kl: sparse KL to the cached top-k with a tail bucket; ce: cross-entropy to the target's
-    top-1; kl+ce: kl + ce_weight * ce (the default: it beat either alone over 3 seeds on the
-    embedded default, bench/RESULTS.md "recipe")."""
+    top-1; kl+ce: kl + ce_weight * ce (the default: bench/RESULTS.md "recipe")."""
     ce_weight: float = 0.5
     """Weight of the cross-entropy term in kl+ce."""
     decay_gamma: float | None = field(default=None, metadata=AUTO)
     """Position weights exp(-(k-1)/gamma); auto: by block size (7 for 16, 5 for 10, 4 for 8)."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.decay_gamma is not None and not self.decay_gamma > 0:
             raise ValueError(f"fit config: decay_gamma must be > 0 (or auto), got {self.decay_gamma}")
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    checkpoint_every: int = 1000
+    checkpoint_every: int = field(default=1000, metadata=BOOKKEEPING)
     """Steps between checkpoints (one is also written at the end)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = field(default=3, metadata=BOOKKEEPING)
     """Complete checkpoints kept (the oldest are deleted)."""
-    save_initial: bool = False
+    save_initial: bool = field(default=False, metadata=BOOKKEEPING)
     """Also checkpoint the untrained drafter as step 0, a baseline for `dflash-train eval`."""
 
     def __post_init__(self) -> None:
@@ -168,7 +170,7 @@ class HeldOutConfig:
     """Held-out evaluation during fit (TOML section `[eval]`); not the `dflash-train eval`
     command's config, which is train/evaluate.py's EvalConfig."""
 
-    eval_every: int = 1000
+    eval_every: int = field(default=1000, metadata=BOOKKEEPING)
     """Steps between held-out evaluations (0: never)."""
     eval_fraction: float = 0.01
     """Fraction of the sequences held out (never trained on)."""
@@ -190,20 +192,23 @@ class RuntimeConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16 or float32; weights
     and optimizer state stay float32."""
-    attention: Literal["auto", "flex", "dense"] = "auto"
+    attention: Literal["auto", "flex", "dense"] = field(default="auto", metadata=BOOKKEEPING)
     """auto (flex on cuda, dense on cpu), flex or dense."""
-    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    parallel: Literal["auto", "ddp", "fsdp"] = field(default="auto", metadata=BOOKKEEPING)
     """Several ranks: ddp, fsdp (FSDP2: parameters, gradients and optimizer state sharded), or
     auto (fsdp on cuda when 16 bytes per drafter parameter exceed a quarter of a GPU, else ddp)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    log_every: int = 10
+    log_every: int = field(default=10, metadata=BOOKKEEPING)
     """Steps between console lines (metrics.jsonl gets every step)."""
-    wandb: bool = True
+    wandb: bool = field(default=True, metadata=BOOKKEEPING)
     """Log to Weights & Biases (offline unless WANDB_MODE says otherwise)."""
-    wandb_project: str = "dflash"
+    wandb_project: str = field(default="dflash", metadata=BOOKKEEPING)
     """W&B project name."""
 
     def __post_init__(self) -> None:
@@ -218,12 +223,13 @@ class FitConfig:
     `to_dict` gives them back.
     """
 
-    cache: list[str]
+    cache: list[str] = field(metadata={PATH: "dir"})
     """Cache folders (written by dflash-precompute; repeat the flag for several); sequences are
     concatenated in this order."""
-    out: str
+    out: str = field(metadata={PATH: "dir"})
     """Run folder: config, checkpoints, metrics; rerunning with it resumes."""
-    init_from: str | None = None
+    # Compared by the sha256 of the source's weights instead (train/init_from.py).
+    init_from: str | None = field(default=None, metadata={RESUMABLE: True})
     """Start from this drafter's weights (a z-lab-layout folder, a run folder or RUN/checkpoints/step-N)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -256,8 +262,6 @@ class FitConfig:
                 f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of "
                 f"block_size ({self.model.block_size})"
             )
-        for owner in (self, *self.components().values()):
-            _check_choices(owner)
 
     def components(self) -> dict[str, Any]:
         """The component configs by section name (`model`, `data`, ...)."""
@@ -311,7 +315,7 @@ def _is_a(value: Any, hint: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(_is_a(value, a) for a in args if a is not type(None))
     if origin is Literal:
-        return isinstance(value, str)  # which choice: _check_choices
+        return isinstance(value, str)  # which choice: check_choices
     if origin is list:
         return isinstance(value, (str, Path)) or (
             isinstance(value, (list, tuple)) and all(_is_a(v, args[0]) for v in value))
@@ -337,21 +341,6 @@ def _type_name(hint: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
-def _check_choices(config: Any) -> None:
-    """Every `Literal[...]` field of `config` holds one of its choices (the one check for all)."""
-    for name, choices in _choices(type(config)).items():
-        value = getattr(config, name)
-        if value not in choices:
-            raise ValueError(f"fit config: {name} must be one of {choices}, got {value!r}")
-
-
-@functools.cache
-def _choices(cls: type) -> dict[str, tuple]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
-            if typing.get_origin(hints[f.name]) is Literal}
-
-
 # Section name -> component class, in FitConfig's order.
 COMPONENTS: dict[str, type] = {
     name: hint for name, hint in typing.get_type_hints(FitConfig).items() if dataclasses.is_dataclass(hint)
@@ -374,19 +363,13 @@ def _leaves() -> dict[str, tuple[str | None, dataclasses.Field]]:
 LEAVES = _leaves()
 FIELDS = frozenset(LEAVES)
 
-# Fields a resumed run may change: they affect bookkeeping, not the numbers.
-RESUMABLE_CHANGES = frozenset({
-    "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
-    "max_consecutive_skips", "attention", "save_initial", "parallel",
-    "init_from",  # compared by the sha256 of the source's weights instead (train/init_from.py)
-})
-assert RESUMABLE_CHANGES <= FIELDS
+# Fields a resumed run may change (their metadata holds RESUMABLE): bookkeeping, not the numbers.
+RESUMABLE_CHANGES = resumable(FitConfig)
 
 
-def describe_fields() -> Iterator[FieldInfo]:
+def describe_fields() -> list[FieldInfo]:
     """Every leaf field in FitConfig's order, with its type, default and docstring."""
-    for section, spec in LEAVES.values():
-        yield field_info(COMPONENTS[section] if section else FitConfig, spec)
+    return describe(FitConfig)
 
 
 def load_toml(path: str | Path) -> dict:

@@ -30,7 +30,7 @@ since fit is not found, and `--cache` with its new path scores all of its sequen
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +41,7 @@ import torch
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import write_json_atomic
 from dflash.shards.fingerprint import target_fingerprint
-from dflash.shards.options import describe, given, help_text, option
+from dflash.shards.options import EXISTS, ONLY_ON, PATH, check_choices, config_options, given
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features
@@ -56,11 +56,11 @@ from dflash.train.speculative import DrafterProposer
 class EvalConfig:
     """`dflash-train eval`: what to evaluate, on what."""
 
-    run: str | None = None
+    run: str | None = field(default=None, metadata={PATH: "dir"})
     """Run folder written by `dflash-train fit` (its drafter config, caches and held-out set)."""
-    checkpoint: str | None = None
+    checkpoint: str | None = field(default=None, metadata={PATH: "any"})
     """A RUN/checkpoints/step-N folder or an exported drafter folder; unset: RUN's newest."""
-    cache: str | None = None
+    cache: str | None = field(default=None, metadata={PATH: "dir"})
     """Cache for the offline figures: one of the run's caches (its held-out sequences are used)
     or another cache (all its sequences). Unset: the held-out sequences of all the run's caches
     (offline mode), or no offline figures (online mode)."""
@@ -68,11 +68,11 @@ class EvalConfig:
     """Which of the run's sequences: held-out (the set fit held out), or train (the ones it
     trained on: a drafter that scores far higher there than held out memorises its data and
     wants more of it; bench/RESULTS.md "recipe")."""
-    online: bool = False
+    online: bool = field(default=False, metadata={ONLY_ON: True})
     """Run real speculative decoding against the target."""
-    target: str | None = None
+    target: str | None = field(default=None, metadata={PATH: "dir"})
     """Online: the target's Hugging Face folder."""
-    prompts: str | None = None
+    prompts: str | None = field(default=None, metadata={PATH: "file", EXISTS: True})
     """Online: a records file as stage one reads it (JSONL, .jsonl.zst, JSON, Parquet); each
     record's conversation up to its last user turn is a prompt.
     With --cache, only the records behind that cache's evaluated sequences are used, and the
@@ -90,14 +90,15 @@ class EvalConfig:
     bfloat16. float32 makes the lossless check meaningful to the last bit; see speculative.py."""
     chat_template_kwargs: str | None = None
     """Online: JSON object for the chat template; unset: the cache's (a different one warns)."""
-    chat_template: str | None = None
+    chat_template: str | None = field(default=None, metadata={PATH: "file"})
     """Online: Jinja chat template file; unset: the cache's (or the tokenizer's)."""
     save: bool = True
     """Write the figures to RUN/eval/<checkpoint>.json (read by `dflash-train export`)."""
-    allow_target_mismatch: bool = False
+    allow_target_mismatch: bool = field(default=False, metadata={ONLY_ON: True})
     """Evaluate a cache or --target of another target than the run's (a warning in the report)."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if not self.online and (self.target is not None or self.prompts is not None):
             raise ValueError("--target and --prompts are used only with --online: add --online, or drop them")
         if self.online and (self.target is None or self.prompts is None):
@@ -110,10 +111,6 @@ class EvalConfig:
             raise ValueError(f"--block-size must be >= 2 (1 online: plain decoding), got {self.block_size}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
 def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None,
@@ -391,34 +388,8 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Fields that name folders (click refuses a file), and flags typed more narrowly than the field.
-_EVAL_FOLDERS = ("run", "cache", "target")
-_EVAL_TYPES = {
-    "checkpoint": {"type": click.Path()},
-    "prompts": {"type": click.Path(dir_okay=False, exists=True)},
-    "chat_template": {"type": click.Path(dir_okay=False)},
-}
-# Off by default and only ever turned on: a plain `--online`, without a `--no-online`.
-_EVAL_SWITCHES = ("online", "allow_target_mismatch")
-
-
-def _eval_options(command):
-    """Decorate `command` with one option per EvalConfig field, in field order (as
-    `config_options`, with the switches kept plain)."""
-    decorators = []
-    for info in describe(EvalConfig):
-        if info.name in _EVAL_SWITCHES:
-            flag = "--" + info.name.replace("_", "-")
-            decorators.append(click.option(flag, info.name, is_flag=True, default=None, help=help_text(info)))
-        else:
-            decorators.append(option(info, folder=info.name in _EVAL_FOLDERS, **_EVAL_TYPES.get(info.name, {})))
-    for add in reversed(decorators):  # the first decorator applied is listed last
-        command = add(command)
-    return command
-
-
 @click.command("eval", cls=DflashCommand)
-@_eval_options
+@config_options(EvalConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object on the last line.")
 def eval_command(as_json: bool, **options: Any) -> None:
     """Acceptance length of a drafter: offline from a cache, and with --online against the target.

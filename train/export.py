@@ -34,8 +34,9 @@ transformers version and carries no unrelated defaults (id2label, return_dict, .
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import click
 import torch
@@ -43,13 +44,15 @@ import torch
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
+from dflash.shards.options import PATH, check_choices, config_options, given
 from dflash.shards.target_info import TARGET_INFO_FILE
 from dflash.shards.writer import TARGET_DIR
 from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import LoadedDrafter, eval_results_path, held_out_eval, load_drafter
 
 ARCHITECTURE = "DFlashDraftModel"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+ExportDtype = Literal["bfloat16", "float32", "float16"]
+DTYPES = {name: getattr(torch, name) for name in get_args(ExportDtype)}
 # What serving engines run drafters in; float16 is offered but has collapsed acceptance in
 # some engines (the target features overflow it).
 DEFAULT_EXPORT_DTYPE = "bfloat16"
@@ -406,13 +409,34 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
     return lines
 
 
+@dataclass(kw_only=True)
+class ExportConfig:
+    """`dflash-train export`: which checkpoint, where, in which dtype."""
+
+    run: Path = field(metadata={PATH: "dir"})
+    """Run folder written by dflash-train fit."""
+    checkpoint: Path | None = None
+    """A RUN/checkpoints/step-N folder (default: the newest complete one)."""
+    out: Path
+    """Folder to create."""
+    dtype: ExportDtype = DEFAULT_EXPORT_DTYPE
+    """Weight dtype in model.safetensors: bfloat16 is what engines serve (training keeps float32
+    master weights; float32 on request)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.run, self.out = Path(self.run), Path(self.out)
+        if self.checkpoint is not None:
+            self.checkpoint = Path(self.checkpoint)
+
+
 def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
                dtype: str = DEFAULT_EXPORT_DTYPE) -> Path:
-    """Export RUN's checkpoint (newest by default) to `out` with weights in `dtype`; returns `out`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    loaded = load_drafter(run, checkpoint)
-    run = Path(run)
+    """Export RUN's checkpoint (newest by default) to `out` with weights in `dtype`; returns `out`
+    (the arguments are ExportConfig's, checked there)."""
+    config = ExportConfig(run=run, out=out, checkpoint=checkpoint, dtype=dtype)
+    run, out, dtype = config.run, config.out, config.dtype
+    loaded = load_drafter(run, config.checkpoint)
     results = eval_results_path(run, loaded.checkpoint)
     evaluation = json.loads(results.read_text()) if results.is_file() else None
     token_ids = None
@@ -434,17 +458,10 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
 
 
 @click.command("export", cls=DflashCommand)
-@click.option("--run", "run", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Run folder written by dflash-train fit.")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-              help="A RUN/checkpoints/step-N folder (default: the newest complete one).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to create.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_EXPORT_DTYPE, show_default=True,
-              help="Weight dtype in model.safetensors: bfloat16 is what engines serve (training "
-                   "keeps float32 master weights; float32 on request).")
-def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) -> None:
+@config_options(ExportConfig)
+def export_command(**options: Any) -> None:
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
-    path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)  # ValueError/OSError: one line
+    path = export_run(**given(options))  # ValueError/OSError: one line
     click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
     if "dflash" not in path.name.lower():
         click.echo(f"Warning: --out {path.name}: the folder name lacks \"dflash\"; keep \"method\": \"dflash\" "
@@ -455,6 +472,7 @@ def export_command(run: Path, checkpoint: Path | None, out: Path, dtype: str) ->
 __all__ = [
     "ARCHITECTURE",
     "CARD_FILE",
+    "ExportConfig",
     "HF_CONFIG_FILE",
     "HF_WEIGHTS_FILE",
     "drafter_config_from_hf",

@@ -12,7 +12,9 @@ caller stops the run rather than skip forever.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from dflash.shards.options import RESUMABLE
 
 
 @dataclass(kw_only=True)
@@ -21,7 +23,7 @@ class GatingConfig:
     """Skip a step whose loss or grad norm exceeds this x its running mean."""
     spike_warmup_steps: int = 50
     """Accepted steps before the spike test applies (non-finite steps are always skipped)."""
-    max_consecutive_skips: int = 20
+    max_consecutive_skips: int = field(default=20, metadata={RESUMABLE: True})
     """Stop the run after this many skipped steps in a row."""
     spike_ema_decay: float = 0.99
     """Decay of the running means (about the last 1/(1-decay) accepted steps)."""

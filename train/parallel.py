@@ -27,15 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MODES = ("auto", "ddp", "fsdp")
 BYTES_PER_PARAMETER = 16  # float32 weight + gradient + AdamW exp_avg + exp_avg_sq
 FSDP_MEMORY_SHARE = 0.25  # auto: FSDP2 when the training state would exceed this share of a GPU
 
 
 def choose(mode: str, num_parameters: int, world_size: int, device: torch.device) -> str:
-    """"none" (one rank), "ddp" or "fsdp" for `--parallel mode`."""
-    if mode not in MODES:
-        raise ValueError(f"--parallel must be one of {MODES}, got {mode!r}")
+    """"none" (one rank), "ddp" or "fsdp" for `--parallel mode` (RuntimeConfig.parallel's
+    choices, checked there)."""
     if world_size == 1:
         return "none"
     if mode != "auto":
@@ -106,4 +104,4 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: di
                              options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["MODES", "choose", "full_state", "load_optimizer", "wrap"]
+__all__ = ["choose", "full_state", "load_optimizer", "wrap"]
