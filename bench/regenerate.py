@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def prompts_file(work_dir: Path, num_prompts: int, out: Path) -> Path:
     """The first `num_prompts` records of the demo's chitchat.jsonl (prepared when absent)."""
-    from demo.prepare import prepare_chitchat
+    from dflash.testing.prepare import prepare_chitchat
 
     source = prepare_chitchat(work_dir / "chitchat.jsonl", limit=256, max_turns=2)
     lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:num_prompts]
@@ -113,9 +113,9 @@ def main() -> None:
 
     import torch
 
-    from bench.engine_check import engine_venv, engine_venv_ready
-    from demo.prepare import prepare_smollm2
+    from bench.engine_venv import engine_venv, engine_venv_ready
     from dflash.precompute.local_server import local_server
+    from dflash.testing.prepare import prepare_smollm2
 
     torch.set_num_threads(args.threads)
     target = prepare_smollm2(args.work_dir)

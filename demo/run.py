@@ -3,7 +3,7 @@ conversations, on a laptop CPU, in about 15 minutes (`make demo`, which runs
 `python -m demo.run` from the repository root).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
-prepare the target and prompts (demo/prepare.py), `dflash-precompute --regenerate`,
+prepare the target and prompts (dflash.testing.prepare), `dflash-precompute --regenerate`,
 `dflash-train eval` of the untrained drafter, `dflash-train fit`, `dflash-train eval` of the
 trained drafter offline and online (real speculative decoding against the target), and
 `dflash-shards info`; then it prints a summary. Everything lives under DFLASH_DEMO_DIR
@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.prepare import chitchat_records, prepare_smollm2
+from bench.engine_venv import ensure_engine_venv
 from dflash.shards.spec import BASIS_CODECS
+from dflash.testing.prepare import chitchat_records, prepare_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,7 +187,7 @@ def main() -> None:
         name = "vllm" if config.vllm_server else "server"
         cache, run_dir = work / f"cache-{name}", work / f"run-{name}"
         regenerated = work / ("chitchat.regenerated-vllm.jsonl" if config.vllm_server else "chitchat.regenerated.jsonl")
-        options = {"vllm_python": engine_venv_ready() / "bin" / "python"} if config.vllm_server else {}
+        options = {"vllm_python": ensure_engine_venv() / "bin" / "python"} if config.vllm_server else {}
         with local_server(target, log=work / f"{name}.log", **options) as url:
             run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
                  "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "64" if options else "4",
@@ -272,21 +273,11 @@ def main() -> None:
         engine_check(config, run_dir=run_dir, target=target, data=data, cache=cache)
 
 
-def engine_venv_ready() -> Path:
-    """The vLLM engine venv ($DFLASH_ENGINE_VENV, else .venv-engine), built first when absent."""
-    from bench.engine_check import engine_venv, engine_venv_ready
-
-    venv = engine_venv()
-    if not engine_venv_ready(venv):
-        run(["bash", str(REPO / "bench" / "engine_venv.sh"), str(venv)])
-    return venv
-
-
 def engine_check(config: DemoConfig, *, run_dir: Path, target: Path, data: Path, cache: Path) -> None:
     """bench/engine_check.py on the demo's run (its exit status fails the demo when vLLM
     disagrees with dflash)."""
     print("\n== engine check: vLLM's CPU build decodes the held-out prompts with the exported drafter", flush=True)
-    venv = engine_venv_ready()
+    venv = ensure_engine_venv()
     run([sys.executable, "-m", "bench.engine_check", "--run", str(run_dir), "--target", str(target),
          "--prompts", str(data), "--cache", str(cache), "--limit", str(config.online_prompts),
          "--max-new-tokens", str(config.max_new_tokens), "--engine-venv", str(venv)])

@@ -5,7 +5,7 @@ on 127.0.0.1 with a tiny random Qwen3 target whose chat template reads `enable_t
 rendering, and a run whose client or server is killed mid-way completes on rerun with nothing
 lost and nothing finished sent twice.
 
-Skipped, with the reason, where the engine venv is absent or incomplete (tests/engine_venv.py).
+Skipped, with the reason, where the engine venv is absent or incomplete (the `engine_venv` fixture, conftest.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import start_vllm_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from tests.builders import write_jsonl
-from tests.engine_venv import require_engine_venv
+from dflash.testing.builders import vllm_target, write_jsonl
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
@@ -32,15 +31,13 @@ NO_THINKING = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def venv_python() -> Path:
-    return require_engine_venv() / "bin" / "python"
+def venv_python(engine_venv) -> Path:
+    return engine_venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    from bench.engine_check import build_target
-
-    return build_target(tmp_path_factory.mktemp("vllm-regen") / "target", "qwen3")
+    return vllm_target(tmp_path_factory.mktemp("vllm-regen") / "target", "qwen3")
 
 
 def _start(target: Path, venv_python: Path, log: Path):

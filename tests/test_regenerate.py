@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import free_port, start_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from tests.builders import CHATML_TEMPLATE, build_target, write_jsonl
+from dflash.testing.builders import CHATML_TEMPLATE, build_target, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
