@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.engine_venv import ensure_engine_venv
+from dflash.shards.records import iter_records
 from dflash.shards.spec import BASIS_CODECS
 from dflash.testing.prepare import chitchat_records, prepare_smollm2
 
@@ -135,7 +136,7 @@ def prompts_file(data: Path, *, first: int, count: int, flag: str) -> Path:
                              f"conversations, {len(records)} after the first {first}; ask for fewer")
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return data
-    found = sum(1 for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
+    found = sum(1 for _ in iter_records([data]))
     if found != count:
         raise SystemExit(f"{data} holds {found} conversations, {flag} asks for {count}: give another "
                          f"--work-dir, or delete {data} and the caches and run beside it")

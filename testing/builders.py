@@ -8,7 +8,8 @@ scripts import them.
   `save_pretrained`, or in memory).
 - A target vLLM's CPU build runs (bench/engine_check.py, the engine tests): character
   tokens, vLLM-sized heads, spare embedding rows.
-- Records and stage one: chat conversations, JSONL files, a small PrecomputeConfig.
+- Records and stage one: chat conversations, JSONL files written and read back (through the
+  one record reader), a small PrecomputeConfig.
 - Drafters: DrafterConfig with the tiny shared dimensions.
 - Loss kernels: random problems for `sparse_kl_loss` and the float64 ground truth.
 """
@@ -155,6 +156,18 @@ def write_jsonl(path: Path, records: list) -> Path:
         for record in records:
             f.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
     return path
+
+
+def read_jsonl(path: Path) -> list:
+    """The records of a JSONL file, read by `iter_records`, the one reader (lines split on
+    b"\\n" only: a string holding U+2028, which `str.splitlines` splits on, stays one record);
+    AssertionError naming the line when one is not JSON."""
+    from dflash.shards.records import iter_records
+
+    records = list(iter_records([path]))
+    for record in records:
+        assert record.error is None, f"{path} line {record.index + 1}: {record.error}"
+    return [record.data for record in records]
 
 
 # Every record shape stage one reads: messages, prompt + response, conversations, text.

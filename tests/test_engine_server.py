@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import start_vllm_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from dflash.testing.builders import vllm_target, write_jsonl
+from dflash.testing.builders import read_jsonl, vllm_target, write_jsonl
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
@@ -64,10 +64,6 @@ def _config(data: Path, out: Path, url: str, **options) -> RegenerateConfig:
     return RegenerateConfig(data=[data], out=out, servers=[url], **{**defaults, **options})
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def _wait_for_lines(path: Path, count: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -92,7 +88,7 @@ def test_vllm_regenerates_the_targets_greedy_replies_with_the_template_kwargs(ta
     for name, kwargs in (("plain", {}), ("no-thinking", NO_THINKING)):
         out = tmp_path / f"{name}.jsonl"
         run_regenerate(_config(data, out, server, chat_template_kwargs=kwargs))
-        written = _lines(out)
+        written = read_jsonl(out)
         assert [r["source"]["index"] for r in written] == list(range(len(records)))
         for record, row in zip(records, written):
             messages = [{"role": "user", "content": record["prompt"]}]
@@ -150,10 +146,10 @@ def test_server_killed_mid_run_then_rerun_completes_nothing_lost_or_sent_twice(t
         stop_server(dying)
     assert result.exit_code == 1, result.output
     assert "rerun the same command to resume" in result.output and url in result.output
-    kept = _lines(out)
+    kept = read_jsonl(out)
     assert 4 <= len(kept) < len(records), "the server was killed mid-way"
     # Rerun against a live vLLM server: the kept records are not sent again, the rest are.
     summary = run_regenerate(_config(data, out, server))
     assert summary.resumed == len(kept) and summary.regenerated_records == len(records) - len(kept)
-    assert _lines(out)[: len(kept)] == kept
+    assert read_jsonl(out)[: len(kept)] == kept
     assert out.read_bytes() == reference.read_bytes()
