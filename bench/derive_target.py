@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
-    from demo.prepare import chitchat_records
     from dflash.shards.transcode import transcode_cache
+    from dflash.testing.prepare import chitchat_records
 
     args.work.mkdir(parents=True, exist_ok=True)
     report: dict = {}

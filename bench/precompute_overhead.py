@@ -11,8 +11,7 @@ CPU time on one thread (the default here) does not depend on them. Repeats alter
 two and keep the fastest of each. Also: tokens/s, stored bytes per token by column, and
 the mean KL that the packed top-k codec costs on these real distributions (the exact fp32
 top-k from the bare pass against its encoded-decoded form; the codec's budget is 1e-3 nat).
-Run it from the repository root as a module: it imports the demo's preparation
-(`demo.prepare`).
+The target and records are the demo's, prepared by `dflash.testing.prepare`.
 
     python -m bench.precompute_overhead [--num-sequences 64] [--threads 1] [--repeats 2] [--json]
 """
@@ -32,11 +31,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
-from demo.prepare import prepare_chitchat, prepare_smollm2
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.plan import plan_batches
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, topk_codec_kl
+from dflash.testing.prepare import prepare_chitchat, prepare_smollm2
 
 
 class Clock:

@@ -35,11 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def prompts_file(work_dir: Path, num_prompts: int, out: Path) -> Path:
     """The first `num_prompts` records of the demo's chitchat.jsonl (prepared when absent)."""
-    from demo.prepare import prepare_chitchat
+    from dflash.shards.records import iter_records
+    from dflash.testing.prepare import prepare_chitchat
 
     source = prepare_chitchat(work_dir / "chitchat.jsonl", limit=256, max_turns=2)
-    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:num_prompts]
-    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    records = [record.data for record in iter_records([source], limit=num_prompts)]
+    out.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
     return out
 
 
@@ -75,6 +76,7 @@ def server_rows(path: str, url: str, data: Path, reference: list[str], out_dir: 
     """dflash-regenerate against the server at `url`, warmed by one request, at each
     concurrency of args.concurrency: one row each."""
     from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
+    from dflash.shards.records import iter_records
 
     stem = path.replace(" ", "-")
     run_regenerate(RegenerateConfig(data=[data], out=out_dir / f"{stem}-warmup.jsonl", servers=[url], limit=1,
@@ -84,8 +86,7 @@ def server_rows(path: str, url: str, data: Path, reference: list[str], out_dir: 
         out = out_dir / f"{stem}-{concurrency}.jsonl"
         summary = run_regenerate(RegenerateConfig(data=[data], out=out, servers=[url], progress=False,
                                                   max_new_tokens=args.max_new_tokens, concurrency=concurrency))
-        records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-        replies = [r["messages"][-1]["content"] for r in records]
+        replies = [r.data["messages"][-1]["content"] for r in iter_records([out])]
         assert len(replies) == len(reference), (len(replies), len(reference))
         rate = summary.to_dict()
         rows.append({"path": path, "concurrency": concurrency, "records_per_s": rate["records_per_s"],
@@ -113,9 +114,9 @@ def main() -> None:
 
     import torch
 
-    from bench.engine_check import engine_venv, engine_venv_ready
-    from demo.prepare import prepare_smollm2
+    from bench.engine_venv import engine_venv, engine_venv_ready
     from dflash.precompute.local_server import local_server
+    from dflash.testing.prepare import prepare_smollm2
 
     torch.set_num_threads(args.threads)
     target = prepare_smollm2(args.work_dir)

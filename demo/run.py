@@ -3,7 +3,7 @@ conversations, on a laptop CPU, in about 15 minutes (`make demo`, which runs
 `python -m demo.run` from the repository root).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
-prepare the target and prompts (demo/prepare.py), `dflash-precompute --regenerate`,
+prepare the target and prompts (dflash.testing.prepare), `dflash-precompute --regenerate`,
 `dflash-train eval` of the untrained drafter, `dflash-train fit`, `dflash-train eval` of the
 trained drafter offline and online (real speculative decoding against the target), and
 `dflash-shards info`; then it prints a summary. Everything lives under DFLASH_DEMO_DIR
@@ -30,10 +30,12 @@ from pathlib import Path
 
 import click
 
-from demo.prepare import chitchat_records, prepare_smollm2
+from bench.engine_venv import ensure_engine_venv
 from dflash.shards.commands import DflashCommand
 from dflash.shards.options import ONLY_ON, PATH, check_choices, config_options, given
+from dflash.shards.records import iter_records
 from dflash.shards.spec import BASIS_CODECS, FeatureCodec
+from dflash.testing.prepare import chitchat_records, prepare_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +134,7 @@ def prompts_file(data: Path, *, first: int, count: int, flag: str) -> Path:
                              f"conversations, {len(records)} after the first {first}; ask for fewer")
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         return data
-    found = sum(1 for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
+    found = sum(1 for _ in iter_records([data]))
     if found != count:
         raise SystemExit(f"{data} holds {found} conversations, {flag} asks for {count}: give another "
                          f"--work-dir, or delete {data} and the caches and run beside it")
@@ -171,7 +173,7 @@ def run_demo(config: DemoConfig) -> None:
         name = "vllm" if config.vllm_server else "server"
         cache, run_dir = work / f"cache-{name}", work / f"run-{name}"
         regenerated = work / ("chitchat.regenerated-vllm.jsonl" if config.vllm_server else "chitchat.regenerated.jsonl")
-        options = {"vllm_python": engine_venv_ready() / "bin" / "python"} if config.vllm_server else {}
+        options = {"vllm_python": ensure_engine_venv() / "bin" / "python"} if config.vllm_server else {}
         with local_server(target, log=work / f"{name}.log", **options) as url:
             run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
                  "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "64" if options else "4",
@@ -257,21 +259,11 @@ def run_demo(config: DemoConfig) -> None:
         engine_check(config, run_dir=run_dir, target=target, data=data, cache=cache)
 
 
-def engine_venv_ready() -> Path:
-    """The vLLM engine venv ($DFLASH_ENGINE_VENV, else .venv-engine), built first when absent."""
-    from bench.engine_check import engine_venv, engine_venv_ready
-
-    venv = engine_venv()
-    if not engine_venv_ready(venv):
-        run(["bash", str(REPO / "bench" / "engine_venv.sh"), str(venv)])
-    return venv
-
-
 def engine_check(config: DemoConfig, *, run_dir: Path, target: Path, data: Path, cache: Path) -> None:
     """bench/engine_check.py on the demo's run (its exit status fails the demo when vLLM
     disagrees with dflash)."""
     print("\n== engine check: vLLM's CPU build decodes the held-out prompts with the exported drafter", flush=True)
-    venv = engine_venv_ready()
+    venv = ensure_engine_venv()
     run([sys.executable, "-m", "bench.engine_check", "--run", str(run_dir), "--target", str(target),
          "--prompts", str(data), "--cache", str(cache), "--limit", str(config.online_prompts),
          "--max-new-tokens", str(config.max_new_tokens), "--engine-venv", str(venv)])

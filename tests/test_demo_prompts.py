@@ -10,6 +10,7 @@ import pytest
 
 import demo.run
 from demo.run import prompts_file
+from dflash.testing.builders import read_jsonl
 
 
 def _record(i):
@@ -26,6 +27,18 @@ def test_a_file_with_the_asked_number_is_reused(tmp_path):
     before = (tmp_path / "chitchat.jsonl").read_bytes()
     assert prompts_file(tmp_path / "chitchat.jsonl", first=0, count=3, flag="--n") == tmp_path / "chitchat.jsonl"
     assert (tmp_path / "chitchat.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\u0085"])
+def test_a_prompt_holding_a_line_separator_is_one_record(tmp_path, separator):
+    """The demo writes its prompts with ensure_ascii=False, so a prompt's U+2028 (U+2029, U+0085)
+    is in the file raw; `str.splitlines` splits there, and the rerun then refused its own file."""
+    records = [_record(0), {"id": "1", "messages": [{"role": "user", "content": f"one{separator}two"},
+                                                   {"role": "assistant", "content": "hello"}]}, _record(2)]
+    path = tmp_path / "chitchat.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert separator in path.read_text(encoding="utf-8")
+    assert prompts_file(path, first=0, count=3, flag="--num-conversations") == path
 
 
 def test_a_file_with_another_number_is_refused_by_name(tmp_path):
@@ -46,7 +59,7 @@ def test_a_new_file_holds_the_conversations_after_the_first(tmp_path, monkeypatc
 
     monkeypatch.setattr(demo.run, "chitchat_records", records)
     path = prompts_file(tmp_path / "human.jsonl", first=4, count=3, flag="--human-conversations")
-    written = [json.loads(line) for line in path.read_text().splitlines()]
+    written = read_jsonl(path)
     assert [r["id"] for r in written] == ["4", "5", "6"] and written[0] == _record(4)
     assert asked == [(7, 2)]  # the first exchange of the first 7 conversations
     with pytest.raises(SystemExit, match="has only 10 usable conversations, 2 after the first 8"):

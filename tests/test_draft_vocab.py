@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.shards import open_cache
+from dflash.testing.builders import tiny_fit_config
 from dflash.train import draft_vocab
 from dflash.train.acceptance import greedy_tokens, sequence_acceptance, target_top1
 from dflash.train.checkpoint import latest_checkpoint
@@ -23,7 +24,6 @@ from dflash.train.fit import _loss, fit
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

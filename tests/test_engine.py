@@ -32,7 +32,6 @@ from bench.engine_check import (
     run_check_on_run,
     run_engine_check,
 )
-from tests.engine_venv import require_engine_venv
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
@@ -45,9 +44,8 @@ def engine_work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine_cases(engine_work) -> dict[str, dict]:
-    venv = require_engine_venv()
-    config = EngineCheckConfig(work=engine_work, engine_venv=venv)
+def engine_cases(engine_work, engine_venv) -> dict[str, dict]:
+    config = EngineCheckConfig(work=engine_work, engine_venv=engine_venv)
     try:
         result = run_engine_check(config)
     except RuntimeError as error:
@@ -76,14 +74,14 @@ def test_each_broken_export_fails_the_check(engine_cases, name):
     assert row["failures"], f"{name}: vLLM agreed with dflash on every step"
 
 
-def test_the_check_on_a_trained_run(engine_cases, engine_work):
+def test_the_check_on_a_trained_run(engine_cases, engine_work, engine_venv):
     """`--run` mode (what `demo.run --engine-check` runs) on the Llama kind's run: eval
     --online's prompts and per-step counts against vLLM, one prompt at a time and batched.
     A float32 export and the first 2 prompts: eval decodes the float32 checkpoint, and this
     drafter has a near-tie on prompt 2 that a bfloat16 export tips."""
     result = run_check_on_run(engine_work / "run-llama-bf16-b4", target=engine_work / "target-llama",
                               prompts=engine_work / "records.jsonl", work=engine_work / "on-run",
-                              engine_venv_path=require_engine_venv(), limit=2, max_new_tokens=24, dtype="float32")
+                              engine_venv_path=engine_venv, limit=2, max_new_tokens=24, dtype="float32")
     print(format_run_report(result))
     row = result["row"]
     assert row["failures"] == [] and result["dflash_online"]["lossless"]

@@ -5,7 +5,7 @@ on 127.0.0.1 with a tiny random Qwen3 target whose chat template reads `enable_t
 rendering, and a run whose client or server is killed mid-way completes on rerun with nothing
 lost and nothing finished sent twice.
 
-Skipped, with the reason, where the engine venv is absent or incomplete (tests/engine_venv.py).
+Skipped, with the reason, where the engine venv is absent or incomplete (the `engine_venv` fixture, conftest.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import start_vllm_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from tests.builders import write_jsonl
-from tests.engine_venv import require_engine_venv
+from dflash.testing.builders import read_jsonl, vllm_target, write_jsonl
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
@@ -32,15 +31,13 @@ NO_THINKING = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def venv_python() -> Path:
-    return require_engine_venv() / "bin" / "python"
+def venv_python(engine_venv) -> Path:
+    return engine_venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    from bench.engine_check import build_target
-
-    return build_target(tmp_path_factory.mktemp("vllm-regen") / "target", "qwen3")
+    return vllm_target(tmp_path_factory.mktemp("vllm-regen") / "target", "qwen3")
 
 
 def _start(target: Path, venv_python: Path, log: Path):
@@ -67,10 +64,6 @@ def _config(data: Path, out: Path, url: str, **options) -> RegenerateConfig:
     return RegenerateConfig(data=[data], out=out, servers=[url], **{**defaults, **options})
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def _wait_for_lines(path: Path, count: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -95,7 +88,7 @@ def test_vllm_regenerates_the_targets_greedy_replies_with_the_template_kwargs(ta
     for name, kwargs in (("plain", {}), ("no-thinking", NO_THINKING)):
         out = tmp_path / f"{name}.jsonl"
         run_regenerate(_config(data, out, server, chat_template_kwargs=kwargs))
-        written = _lines(out)
+        written = read_jsonl(out)
         assert [r["source"]["index"] for r in written] == list(range(len(records)))
         for record, row in zip(records, written):
             messages = [{"role": "user", "content": record["prompt"]}]
@@ -153,10 +146,10 @@ def test_server_killed_mid_run_then_rerun_completes_nothing_lost_or_sent_twice(t
         stop_server(dying)
     assert result.exit_code == 1, result.output
     assert "rerun the same command to resume" in result.output and url in result.output
-    kept = _lines(out)
+    kept = read_jsonl(out)
     assert 4 <= len(kept) < len(records), "the server was killed mid-way"
     # Rerun against a live vLLM server: the kept records are not sent again, the rest are.
     summary = run_regenerate(_config(data, out, server))
     assert summary.resumed == len(kept) and summary.regenerated_records == len(records) - len(kept)
-    assert _lines(out)[: len(kept)] == kept
+    assert read_jsonl(out)[: len(kept)] == kept
     assert out.read_bytes() == reference.read_bytes()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash.shards.records import iter_records, prompt_messages
+from dflash.testing.builders import drafter_config
 from dflash.train.acceptance import (
     block_acceptance,
     evaluate_offline,
@@ -24,7 +25,6 @@ from dflash.train.acceptance import (
 )
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 from dflash.train.online import load_prompts
-from tests.builders import drafter_config
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
 

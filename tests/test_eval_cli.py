@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
+from dflash.testing.builders import char_chat_target, char_tokenizer, tiny_fit_config
 from dflash.train.acceptance import evaluate_offline
 from dflash.train.cli import main
 from dflash.train.data import held_out_mask
@@ -25,7 +26,6 @@ from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config
 
 LAYER_IDS = [1, 3]
 

@@ -1,7 +1,7 @@
 """Online speculative decoding against tiny random Hugging Face targets: the output equals the
 target's own `generate(do_sample=False)` token for token, and tau counts what was accepted.
 
-Targets are built from configs in code (no download, `tiny_causal_lm` in builders.py) with a
+Targets are built from configs in code (no download, `tiny_causal_lm` in dflash.testing.builders) with a
 large initialisation, so their logits are far apart and the verify-vs-one-token numerics
 cannot flip an argmax.
 """
@@ -9,6 +9,7 @@ cannot flip an argmax.
 import pytest
 import torch
 
+from dflash.testing.builders import drafter_config, tiny_causal_lm
 from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.online import Prompt, evaluate_online
 from dflash.train.speculative import (
@@ -17,7 +18,6 @@ from dflash.train.speculative import (
     speculative_generate,
     target_features,
 )
-from tests.builders import drafter_config, tiny_causal_lm
 
 V, H, NUM_LAYERS = 64, 32, 6
 LAYER_IDS = [1, 3]

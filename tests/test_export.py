@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from dflash.shards import CacheSpec
 from dflash.shards.synthetic import write_synthetic_cache
+from dflash.testing.builders import drafter_config
 from dflash.train.export import (
     drafter_config_from_hf,
     export_run,
@@ -19,9 +20,8 @@ from dflash.train.export import (
 )
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache
 from dflash.train.run_folder import load_drafter
-from tests.builders import drafter_config
 
-H, V, LAYERS = 32, 50, 3  # H: the hidden size of tests.builders.drafter_config
+H, V, LAYERS = 32, 50, 3  # H: the hidden size of dflash.testing.builders.drafter_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

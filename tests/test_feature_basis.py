@@ -15,10 +15,10 @@ from dflash.shards.basis import BASIS_FILE, FeatureBasis, SecondMoment, fit_basi
 from dflash.shards.cli import main as shards_main
 from dflash.shards.rows import bytes_per_token
 from dflash.shards.synthetic import synthetic_row, write_synthetic_cache
+from dflash.testing import builders
 from dflash.train.basis import fold_basis, match_features
 from dflash.train.data import Corpus
 from dflash.train.model import DFlashDrafter, DrafterConfig
-from tests import builders
 
 LENGTHS = [9, 17, 5, 12]
 LAYERS, HIDDEN = [0, 2, 3], 16

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash.testing.builders import fit_cache, tiny_fit_config
 from dflash.train.config import FitConfig
 from dflash.train.fit import fit
-from tests.builders import fit_cache, tiny_fit_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 

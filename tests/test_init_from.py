@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.shards import open_cache
 from dflash.shards.basis import SecondMoment, fit_basis
+from dflash.testing.builders import FIT_LENGTHS, tiny_fit_config
 from dflash.train.basis import fold_basis
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.evaluate import evaluate_offline
@@ -27,7 +28,6 @@ from dflash.train.init_from import file_sha256, unfold_basis
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import FIT_LENGTHS, tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 
 Every implementation (naive, torch chunked, triton under TRITON_INTERPRET=1) is checked on
 one odd shape and one round shape, forward and gradients, through the public function.
-The ground truth (`truth` in tests/builders.py) materialises float64 logits and uses
+The ground truth (`truth` in dflash.testing.builders) materialises float64 logits and uses
 autograd; it shares no code with the package (no clamps, no lse/gather split), so a
 mistake in `row_losses` or in a hand-written backward shows up as a mismatch.
 """
@@ -16,7 +16,15 @@ import torch.nn.functional as F
 
 from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import TritonConfig
-from tests.builders import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
+from dflash.testing.builders import (
+    FP32_TOL,
+    SHAPES,
+    loss_and_grads,
+    make_problem,
+    rel_err,
+    row_weights_and_grads,
+    truth,
+)
 
 # The Triton kernel runs in its CPU interpreter here (conftest): seconds per case, so its cases
 # are outside the quick loop (`pytest -m "not e2e"`); `make test` runs them.

@@ -1,7 +1,7 @@
 """Triton-specific checks of sparse_kl_loss under TRITON_INTERPRET=1 (set by conftest).
 
 The shared numerical tests live in test_kernels.py (parametrised over every impl), the
-problems and the ground truth in builders.py; here:
+problems and the ground truth in dflash.testing.builders; here:
 tile sizes and chunkings, each mode of the Triton path (stored dX, sparse dX for renorm,
 dW recompute, forward only) with a non-unit grad_output, argmax ties, config validation,
 the error on CPU tensors without the interpreter, and a compile of the kernel for a Hopper
@@ -19,7 +19,15 @@ import triton.language as tl
 
 from dflash.kernels import sparse_kl_loss
 from dflash.kernels.sparse_kl import INTERPRETED, TritonConfig, _to_storage
-from tests.builders import FP32_TOL, SHAPES, loss_and_grads, make_problem, rel_err, row_weights_and_grads, truth
+from dflash.testing.builders import (
+    FP32_TOL,
+    SHAPES,
+    loss_and_grads,
+    make_problem,
+    rel_err,
+    row_weights_and_grads,
+    truth,
+)
 
 
 def test_runs_interpreted():

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from dflash.testing.builders import drafter_config
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache, TargetHead
-from tests.builders import drafter_config
 
 B = 4  # block size
 L = 3  # target features
-H = 32  # the hidden size of tests.builders.drafter_config
+H = 32  # the hidden size of dflash.testing.builders.drafter_config
 
 
 def tiny_config(**overrides) -> DrafterConfig:

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.precompute.target import final_norm_scale
+from dflash.testing.builders import tiny_fit_config
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

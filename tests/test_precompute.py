@@ -22,7 +22,7 @@ from dflash.precompute.target import Target
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.codecs import topk_kl
 from dflash.shards.records import normalize_record
-from tests.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
+from dflash.testing.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
@@ -377,7 +377,7 @@ def test_cli_prints_the_summary_and_reports_errors(targets, data, tmp_path):
 def test_logit_softcapping_falls_back_to_the_models_own_logits(tmp_path):
     from transformers import Gemma2Config
 
-    from tests.builders import VOCAB_SIZE, build_tokenizer
+    from dflash.testing.builders import VOCAB_SIZE, build_tokenizer
 
     tokenizer = build_tokenizer("chatml")
     gemma = Gemma2Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

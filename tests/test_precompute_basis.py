@@ -13,7 +13,7 @@ from dflash.precompute.basis import sample_positions
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.basis import BASIS_FILE
-from tests.builders import (
+from dflash.testing.builders import (
     RECORDS,
     build_target,
     killed_precompute,
@@ -113,8 +113,8 @@ def test_regenerated_sample_is_reused_not_regenerated(target, data, tmp_path):
 
 
 def test_feature_basis_reuses_another_caches_basis_so_fit_trains_on_both(target, data, tmp_path, one_rank):
+    from dflash.testing.builders import tiny_fit_config
     from dflash.train.fit import fit
-    from tests.builders import tiny_fit_config
 
     other_data = write_jsonl(tmp_path / "other.jsonl", RECORDS[::-1][:4])
     out = tmp_path / "other"

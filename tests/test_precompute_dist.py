@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
-from tests.builders import (
+from dflash.testing.builders import (
     RECORDS,
     SUBPROCESS_ENV as ENV,
     build_target,

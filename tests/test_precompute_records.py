@@ -17,7 +17,7 @@ from dflash.precompute.pipeline import NO_REPLY
 from dflash.precompute.run import run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache
-from tests.builders import (
+from dflash.testing.builders import (
     RECORDS,
     build_target,
     killed_precompute,

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from dflash.shards import TargetInfo
+from dflash.testing.builders import drafter_config, tiny_causal_lm
 from dflash.train.export import load_exported, write_export
 from dflash.train.mask_token import choose_mask_token_id
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 from dflash.train.online import Prompt, evaluate_online
 from dflash.train.speculative import DrafterProposer, _cache_kwarg, _crop, greedy_generate, target_features
-from tests.builders import drafter_config, tiny_causal_lm
 
 V, NUM_LAYERS, LAYER_IDS, BLOCK = 64, 6, [1, 3], 4
 TOKENIZER_IDS = 60  # the tokenizer defines ids 0..59; rows 60..63 are spare, as Qwen3's past 151668

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 
 from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.target_info import TargetInfo
+from dflash.testing.builders import tiny_causal_lm, tiny_fit_config
 from dflash.train.cli import main as train_main
 from dflash.train.config import FitConfig, load_toml, resolve
 from dflash.train.identity import caches_fingerprint, check_same_target
 from dflash.train.runlock import RunLock, check_out_folder
-from tests.builders import tiny_causal_lm, tiny_fit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,8 +18,8 @@ from dflash.shards.commands import dflash_version
 from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.synthetic import write_synthetic_cache
 from dflash.shards.target_info import TargetInfo
+from dflash.testing.builders import RECORDS, build_target, precompute_config, write_jsonl
 from dflash.train.cli import main as train_main
-from tests.builders import RECORDS, build_target, precompute_config, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

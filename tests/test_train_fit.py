@@ -18,13 +18,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from dflash.testing.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 from dflash.train import fit as fit_module
 from dflash.train.checkpoint import latest_checkpoint, list_checkpoints
 from dflash.train.cli import main
 from dflash.train.config import FitConfig
 from dflash.train.fit import SpikeStop, fit
 from dflash.train.logging import STEP_KEYS
-from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
 pytestmark = pytest.mark.e2e
 

