@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash.precompute.data import ChatEncoder, Encoded
+from dflash.precompute.group import Group
 from dflash.precompute.plan import plan_batches
 from dflash.shards import CacheWriter
 from dflash.shards.records import InputRecord, RecordError, cut_assistant_turns, iter_records, normalize_record
@@ -103,8 +104,8 @@ class RankRun:
     """Everything one rank's steps work with, built once by run.py's setup steps."""
 
     config: PrecomputeConfig
-    group: Any
-    """The ranks of the run (run.py's `Group`): `step`, `local`, `rank`, `world_size`."""
+    group: Group
+    """The ranks of the run."""
     target: Target
     encoder: ChatEncoder
     writer: CacheWriter
