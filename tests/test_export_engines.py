@@ -14,8 +14,8 @@ from safetensors import safe_open
 from dflash.shards.files import publish_readable
 from dflash.train.checkpoint import CheckpointWriter
 from dflash.train.export import export_command, model_card, write_export
+from dflash.train.loading import LoadedDrafter
 from dflash.train.model import DFlashDrafter
-from dflash.train.run_folder import LoadedDrafter
 from tests.builders import drafter_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
