@@ -69,9 +69,10 @@ from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS
 
 
-@dataclass
-class PrecomputeSummary:
-    """What a run did (this run) and what the cache now holds (all runs)."""
+@dataclass(kw_only=True)
+class PrecomputeSummary(RankStats):
+    """What a run did (this run) and what the cache now holds (all runs). The `RankStats`
+    counters are this run's, summed over its ranks; `forward_s` and `generate_s` are rank 0's."""
 
     cache_dir: str
     num_sequences: int
@@ -84,28 +85,12 @@ class PrecomputeSummary:
     """Rejected records in the cache, by reason."""
     bytes_per_token: dict[str, float]
     """Stored bytes per token by column, and "total" (whole shard files)."""
-    written_sequences: int = 0
-    """Sequences this run wrote."""
-    written_tokens: int = 0
-    """Tokens this run wrote."""
-    resumed_sequences: int = 0
-    """Records found already done (resume), rows and rejects."""
-    truncated: int = 0
-    """Sequences this run cut to max_length."""
-    regenerated_replies: int = 0
-    """Assistant replies this run regenerated."""
-    cut_replies: int = 0
-    """Regenerated replies that hit max_new_tokens (or max_length)."""
     regenerated: bool = False
     generation_temperature: float | None = None
     max_length: int = 0
     max_new_tokens: int = 0
     wall_s: float = 0.0
     """Wall time of this run, loading included."""
-    forward_s: float = 0.0
-    """Time in the target forward (capture and top-k included), rank 0."""
-    generate_s: float = 0.0
-    """Time in generation, rank 0."""
     world_size: int = 1
     already_complete: bool = False
     """The cache was complete for this configuration; nothing was computed."""
@@ -346,7 +331,7 @@ def _scan_stride(config: PrecomputeConfig, *, encoder: ChatEncoder, writer: Cach
             lengths.append((position, prepare(config, encoder, position=position, record=record).num_tokens))
         except RecordError as error:
             if (record.file, record.index) in done:
-                stats.resumed += 1
+                stats.resumed_sequences += 1
             else:
                 reject(config, writer, source=record.source, reason=str(error))
                 rejects.append({**record.source, "reason": str(error)})
@@ -457,16 +442,12 @@ def _summary(config: PrecomputeConfig, cache: Any, *, gathered: list[RankStats],
     with open(cache.rejected_path, encoding="utf-8") as f:
         for line in f:
             rejected[json.loads(line)["reason"]] += 1
-    total = RankStats(**{f.name: sum(getattr(s, f.name) for s in gathered)
-                          for f in dataclasses.fields(RankStats)})
+    total = {f.name: sum(getattr(s, f.name) for s in gathered) for f in dataclasses.fields(RankStats)}
+    total.update(forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s)  # rank 0's times
     return PrecomputeSummary(
-        cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
+        **total, cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
         num_loss_tokens=manifest["num_loss_tokens"], rejected=dict(rejected),
-        bytes_per_token=bytes_per_token, written_sequences=total.written_sequences,
-        written_tokens=total.written_tokens, resumed_sequences=total.resumed,
-        truncated=total.truncated, regenerated_replies=total.regenerated_replies,
-        cut_replies=total.cut_replies, regenerated=cache.spec.regenerated,
+        bytes_per_token=bytes_per_token, regenerated=cache.spec.regenerated,
         generation_temperature=cache.spec.generation_temperature, max_length=config.max_length,
         max_new_tokens=config.max_new_tokens, wall_s=time.perf_counter() - start,
-        forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s,
         world_size=world_size, already_complete=already_complete)
