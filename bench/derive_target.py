@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
+    from dflash.shards.layout import MANIFEST
     from dflash.shards.transcode import transcode_cache
     from dflash.testing.prepare import chitchat_records
 
@@ -93,14 +94,14 @@ def main() -> None:
         records = chitchat_records(limit=first + args.prompts, max_turns=2)[first:]
         prompts.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     bf16 = args.work / "cache-bf16"
-    if not (bf16 / "manifest.json").is_file():
+    if not (bf16 / MANIFEST).is_file():
         cmd = [str(Path(sys.executable).parent / "dflash-precompute"), "--target", str(derived), "--data", str(prompts),
                "--out", str(bf16), "--regenerate", "--max-new-tokens", "48", "--max-length", "256",
                "--feature-codec", "bf16", "--device", "cpu"]
         print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     basis = args.work / "cache-basis"
-    if not (basis / "manifest.json").is_file():
+    if not (basis / MANIFEST).is_file():
         hidden = json.loads((derived / "config.json").read_text())["hidden_size"]
         transcode_cache(bf16, basis, feature_codec="basis-fp8", feature_rank=hidden)  # rank H, as the demo
     report.update(target=str(derived), prompts=str(prompts), cache_bf16=str(bf16), cache_basis=str(basis))

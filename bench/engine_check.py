@@ -224,8 +224,8 @@ def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, ma
     dflash, instead of misleading both sides alike."""
     from dflash.train.basis import match_features
     from dflash.train.evaluate import load_target
+    from dflash.train.loading import load_drafter
     from dflash.train.model import TargetHead
-    from dflash.train.run_folder import load_drafter
     from dflash.train.speculative import greedy_generate, speculative_generate
 
     loaded = load_drafter(run)
@@ -609,7 +609,8 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     weights eval decodes: a bfloat16 export's rounding tips drafter near-ties (on the 768/1200
     demo's drafter, one step of 391 differed in bfloat16, none in float32)."""
     from dflash.train.evaluate import EvalConfig, load_target, run_eval
-    from dflash.train.export import export_run, load_exported
+    from dflash.train.export import export_run
+    from dflash.train.loading import load_exported
     from dflash.train.speculative import greedy_generate
 
     work.mkdir(parents=True, exist_ok=True)

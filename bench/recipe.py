@@ -122,12 +122,13 @@ def copy_target_layer(target: Path, cache: Path, layer: int, out: Path) -> Path:
     """
     from safetensors import safe_open
 
+    from dflash.shards.layout import TARGET_DIR
     from dflash.train.export import write_export
     from dflash.train.model import DFlashDrafter, DrafterConfig
 
     if out.exists():
         return out
-    config = DrafterConfig.from_target(cache / "target", num_hidden_layers=1, block_size=DEMO_V2["block_size"])
+    config = DrafterConfig.from_target(cache / TARGET_DIR, num_hidden_layers=1, block_size=DEMO_V2["block_size"])
     if layer - 1 not in config.target_layer_ids:
         raise SystemExit(f"copy layer {layer}: its input, layer {layer - 1}'s output, is not among the cache's "
                          f"feature layers {config.target_layer_ids}")

@@ -280,6 +280,7 @@ def bench_many_shards(root: Path, num_shards: int, seed: int) -> dict:
     row = synthetic_row(np.random.default_rng(seed), spec, 16)
     path = root / "many-shards"
     from dflash.shards import CacheWriter, finalize_cache
+    from dflash.shards.layout import MANIFEST
 
     start = time.perf_counter()
     writer = CacheWriter(path, spec)
@@ -289,7 +290,7 @@ def bench_many_shards(root: Path, num_shards: int, seed: int) -> dict:
     finalize_cache(path, spec, 1)
     build_s = time.perf_counter() - start
     result = {"num_shards": num_shards, "dir": str(root), "build_s": build_s,
-              "manifest_bytes": (path / "manifest.json").stat().st_size, **run_worker("open", str(path))}
+              "manifest_bytes": (path / MANIFEST).stat().st_size, **run_worker("open", str(path))}
     shutil.rmtree(path)
     return result
 

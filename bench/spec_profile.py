@@ -85,9 +85,9 @@ def main() -> None:
     from dflash.shards.records import iter_records
     from dflash.train.data import held_out_mask
     from dflash.train.evaluate import load_target
+    from dflash.train.loading import load_drafter
     from dflash.train.model import TargetHead
     from dflash.train.online import load_prompts
-    from dflash.train.run_folder import load_drafter
     from dflash.train.speculative import DrafterProposer, greedy_generate, speculative_generate
 
     for path, what in ((args.target, "--target"), (args.run, "--run"), (args.prompts, "--prompts")):

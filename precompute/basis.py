@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash.precompute.pipeline import Computed, Item, Key, RankRun, compute_sample
-from dflash.shards.basis import BASIS_FILE, FeatureBasis, fit_basis, write_basis
+from dflash.shards.basis import FeatureBasis, fit_basis, write_basis
 from dflash.shards.files import write_atomic
+from dflash.shards.layout import BASIS_FILE
 
 
 def sample_positions(lengths: list[tuple[int, int]], sample_tokens: int) -> set[int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash.shards.layout import BASIS_FILE
 from dflash.shards.options import METAVAR, NONE_WORD, PATH, RESUMABLE, SEPARATOR, apply_none_words, check_choices
 from dflash.shards.spec import BASIS_CODECS, FeatureCodec, TopkCodec
 
@@ -103,7 +104,7 @@ class PrecomputeConfig:
         if self.feature_basis is not None:
             self.feature_basis = Path(self.feature_basis)
             if self.feature_basis.is_dir():  # another cache's folder: its basis file
-                self.feature_basis = self.feature_basis / "feature_basis.safetensors"
+                self.feature_basis = self.feature_basis / BASIS_FILE
         checks = [
             (self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
             (self.num_feature_layers >= 1, f"--num-feature-layers must be >= 1, got {self.num_feature_layers}"),

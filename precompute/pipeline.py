@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash.precompute.data import ChatEncoder, Encoded
+from dflash.precompute.group import Group
 from dflash.precompute.plan import plan_batches
 from dflash.shards import CacheWriter
 from dflash.shards.records import InputRecord, RecordError, cut_assistant_turns, iter_records, normalize_record
@@ -54,18 +55,27 @@ Key = tuple[str, int]
 CPU_FORWARD_TOKENS = 2048
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankStats:
-    """What this rank did, summed over the ranks for the summary."""
+    """What this rank did in this run. The run's summary (run.py's `PrecomputeSummary`) is a
+    RankStats too: the counters summed over the ranks, the times rank 0's."""
 
     written_sequences: int = 0
+    """Sequences this run wrote."""
     written_tokens: int = 0
-    resumed: int = 0
+    """Tokens this run wrote."""
+    resumed_sequences: int = 0
+    """Records found already done (resume), rows and rejects."""
     truncated: int = 0
+    """Sequences this run cut to max_length."""
     regenerated_replies: int = 0
+    """Assistant replies this run regenerated."""
     cut_replies: int = 0
+    """Regenerated replies that hit max_new_tokens (or max_length)."""
     forward_s: float = 0.0
+    """Time in the target forward (capture and top-k included)."""
     generate_s: float = 0.0
+    """Time in generation."""
 
 
 @dataclass
@@ -103,8 +113,8 @@ class RankRun:
     """Everything one rank's steps work with, built once by run.py's setup steps."""
 
     config: PrecomputeConfig
-    group: Any
-    """The ranks of the run (run.py's `Group`): `step`, `local`, `rank`, `world_size`."""
+    group: Group
+    """The ranks of the run."""
     target: Target
     encoder: ChatEncoder
     writer: CacheWriter
@@ -205,7 +215,7 @@ def compute(run: RankRun, items: list[Item], kept: dict[Key, Computed | None]) -
     are written from there, not recomputed."""
     done = run.done
     num_done = sum(item.key in done for item in items)
-    run.stats.resumed += num_done
+    run.stats.resumed_sequences += num_done
     first = run.stats.written_sequences
     with _progress(run, items, "precompute") as bar:
         for batch in plan_batches([item.num_tokens for item in items], run.config.batch_tokens):

@@ -3,8 +3,8 @@
 
 One process per device (spawned here with `nproc`, or started by `torchrun`), each running
 the same steps, with a collective check after each step so that one rank's failure becomes
-an error on every rank instead of a hang (`_Group.step` gathers small results, `_Group.local`
-keeps big ones in the process):
+an error on every rank instead of a hang (group.py: `Group.step` gathers small results,
+`Group.local` keeps big ones in the process):
 
 1. rank 0: `--overwrite` clears the output; a finished cache of the same configuration is
    reported and left untouched.
@@ -59,18 +59,21 @@ import numpy as np
 from dflash.precompute.basis import fit_or_load_basis
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.data import ChatEncoder
+from dflash.precompute.group import Group
 from dflash.precompute.pipeline import RankRun, RankStats, compute, prepare, read_items, reject
 from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.shards.files import write_atomic
+from dflash.shards.layout import MANIFEST, REJECTED, SHARDS_DIR, TARGET_DIR
 from dflash.shards.options import resumable
 from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS
 
 
-@dataclass
-class PrecomputeSummary:
-    """What a run did (this run) and what the cache now holds (all runs)."""
+@dataclass(kw_only=True)
+class PrecomputeSummary(RankStats):
+    """What a run did (this run) and what the cache now holds (all runs). The `RankStats`
+    counters are this run's, summed over its ranks; `forward_s` and `generate_s` are rank 0's."""
 
     cache_dir: str
     num_sequences: int
@@ -83,28 +86,12 @@ class PrecomputeSummary:
     """Rejected records in the cache, by reason."""
     bytes_per_token: dict[str, float]
     """Stored bytes per token by column, and "total" (whole shard files)."""
-    written_sequences: int = 0
-    """Sequences this run wrote."""
-    written_tokens: int = 0
-    """Tokens this run wrote."""
-    resumed_sequences: int = 0
-    """Records found already done (resume), rows and rejects."""
-    truncated: int = 0
-    """Sequences this run cut to max_length."""
-    regenerated_replies: int = 0
-    """Assistant replies this run regenerated."""
-    cut_replies: int = 0
-    """Regenerated replies that hit max_new_tokens (or max_length)."""
     regenerated: bool = False
     generation_temperature: float | None = None
     max_length: int = 0
     max_new_tokens: int = 0
     wall_s: float = 0.0
     """Wall time of this run, loading included."""
-    forward_s: float = 0.0
-    """Time in the target forward (capture and top-k included), rank 0."""
-    generate_s: float = 0.0
-    """Time in generation, rank 0."""
     world_size: int = 1
     already_complete: bool = False
     """The cache was complete for this configuration; nothing was computed."""
@@ -180,7 +167,7 @@ def _empty_error(config: PrecomputeConfig, rejected: Counter[str]) -> ValueError
     reasons = "; ".join(f"{n} x {reason}" for reason, n in top)
     return ValueError(f"no sequence was written: {num_rejected} record{'s' if num_rejected != 1 else ''} read "
                       f"from --data {where}, all rejected ({reasons}); each record's reason is in "
-                      f"{config.out / 'rejected.jsonl'}")
+                      f"{config.out / REJECTED}")
 
 
 def _spawn(config: PrecomputeConfig) -> PrecomputeSummary:
@@ -229,81 +216,11 @@ def _spawned_worker(local_rank: int, config: PrecomputeConfig, store_port: int, 
         results.put(("ok", dataclasses.asdict(summary)))
 
 
-# ----------------------------------------------------------------------------- collectives
-
-class _Group:
-    """The ranks of this run; `step` runs a function on every rank and checks them all."""
-
-    def __init__(self, rank: int, world_size: int, init_method: str | None, timeout_s: float):
-        self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            import torch.distributed as dist
-
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if init_method is not None and init_method.startswith("store://"):  # hosted by _spawn
-                host, port = init_method.removeprefix("store://").rsplit(":", 1)
-                store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-            else:
-                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                        timeout=timeout)
-
-    def step(self, what: str, fn: Callable[[], Any]) -> list[Any]:
-        """Run `fn` here, then gather every rank's result (keep it small: it is pickled). If any
-        rank raised, every rank raises: the failing rank its own exception, the others a
-        ValueError naming it."""
-        return self._run(what, fn, share=True)[1]
-
-    def local(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` here and check that every rank succeeded, as `step`; returns this rank's
-        result, which never leaves the process (a model, a writer, kept rows)."""
-        return self._run(what, fn, share=False)[0]
-
-    def _run(self, what: str, fn: Callable[[], Any], *, share: bool) -> tuple[Any, list[Any]]:
-        error: BaseException | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
-            error = e
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            return result, [result]
-        import torch.distributed as dist
-
-        report = None if error is None else f"{type(error).__name__}: {error}"
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (report, result if share and error is None else None))
-        if error is not None:
-            raise error
-        for rank, (failure, _) in enumerate(gathered):
-            if failure is not None:
-                raise ValueError(f"rank {rank} failed while {what}: {failure}")
-        return result, [payload for _, payload in gathered]
-
-    def close(self, *, together: bool) -> None:
-        """together (every rank finished): leave at a barrier first, so that no rank tears
-        down its connections while another still waits on them. After a failure no barrier: a
-        rank that died would make the others wait for the whole timeout. The rendezvous store
-        lives outside the ranks (torchrun's agent, or the process that spawned them), so it
-        outlasts every rank's teardown."""
-        if self.world_size > 1:
-            import gc
-
-            import torch.distributed as dist
-
-            if together:
-                dist.barrier()
-            gc.collect()  # a process group kept alive by a reference cycle would be torn down at exit
-            dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------- one rank
 
 def _worker_main(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: int,
                  init_method: str | None) -> PrecomputeSummary:
-    group = _Group(rank, world_size, init_method, config.dist_timeout_s)
+    group = Group(rank, world_size, init_method, config.dist_timeout_s)
     try:
         summary = _run_rank(config, group, local_rank)
     except BaseException:
@@ -313,7 +230,7 @@ def _worker_main(config: PrecomputeConfig, *, rank: int, world_size: int, local_
     return summary
 
 
-def _run_rank(config: PrecomputeConfig, group: _Group, local_rank: int) -> PrecomputeSummary:
+def _run_rank(config: PrecomputeConfig, group: Group, local_rank: int) -> PrecomputeSummary:
     """Stage one on this rank: the setup steps build a `RankRun`, then the basis fit (basis
     codecs) and the main pass run through the pipeline."""
     start = time.perf_counter()
@@ -379,7 +296,7 @@ def _open_writer(config: PrecomputeConfig, spec: CacheSpec, *, target: Any, rank
         raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
 
 
-def _scan(config: PrecomputeConfig, group: _Group, *, target: Any, writer: CacheWriter,
+def _scan(config: PrecomputeConfig, group: Group, *, target: Any, writer: CacheWriter,
           done: set[tuple[str, int]], log: Callable[[str], None]) -> RankRun:
     """Write CACHE/target/ (rank 0), tokenize this rank's stride of the inputs (rejecting the
     bad records), exchange the lengths and assign the records: the RankRun."""
@@ -390,7 +307,7 @@ def _scan(config: PrecomputeConfig, group: _Group, *, target: Any, writer: Cache
 
     def scan() -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
         if rank == 0:
-            target.write_target_dir(config.out / "target")
+            target.write_target_dir(config.out / TARGET_DIR)
         return _scan_stride(config, encoder=encoder, writer=writer, done=done, stats=stats, rank=rank,
                             world_size=world_size)
 
@@ -415,7 +332,7 @@ def _scan_stride(config: PrecomputeConfig, *, encoder: ChatEncoder, writer: Cach
             lengths.append((position, prepare(config, encoder, position=position, record=record).num_tokens))
         except RecordError as error:
             if (record.file, record.index) in done:
-                stats.resumed += 1
+                stats.resumed_sequences += 1
             else:
                 reject(config, writer, source=record.source, reason=str(error))
                 rejects.append({**record.source, "reason": str(error)})
@@ -428,7 +345,7 @@ def _refuse_all_rejected(config: PrecomputeConfig, *, rank: int, rejects: list[d
     rank raises the error the raw codecs give once their empty cache is finalized."""
     if rank == 0:
         rejects = sorted(rejects, key=lambda r: (r["file"], r["index"]))
-        write_atomic(config.out / "rejected.jsonl",
+        write_atomic(config.out / REJECTED,
                      "".join(json.dumps(r, sort_keys=True) + "\n" for r in rejects).encode())
     raise _empty_error(config, Counter(r["reason"] for r in rejects))
 
@@ -437,7 +354,7 @@ def _check_out_dir(config: PrecomputeConfig) -> None:
     """Refuse to write into (or, with --overwrite, delete) a directory that is not a cache."""
     out = config.out
     if out.exists() and any(out.iterdir()) and not (
-            (out / "manifest.json").exists() or (out / "shards").is_dir()):
+            (out / MANIFEST).exists() or (out / SHARDS_DIR).is_dir()):
         raise ValueError(f"--out {out} exists and is not a dflash cache; choose another directory")
 
 
@@ -491,7 +408,7 @@ def _finished_cache(config: PrecomputeConfig, spec: CacheSpec) -> bool:
     """True when `out` holds a finalized cache made by this same command; ValueError when
     it holds one of another configuration. A finalized cache of this configuration made
     with other options (e.g. a larger --limit) is extended: the run continues it."""
-    if not (config.out / "manifest.json").exists():
+    if not (config.out / MANIFEST).exists():
         return False
     cache = open_cache(config.out)
     differ = cache.spec.identity_diff(spec)
@@ -526,16 +443,12 @@ def _summary(config: PrecomputeConfig, cache: Any, *, gathered: list[RankStats],
     with open(cache.rejected_path, encoding="utf-8") as f:
         for line in f:
             rejected[json.loads(line)["reason"]] += 1
-    total = RankStats(**{f.name: sum(getattr(s, f.name) for s in gathered)
-                          for f in dataclasses.fields(RankStats)})
+    total = {f.name: sum(getattr(s, f.name) for s in gathered) for f in dataclasses.fields(RankStats)}
+    total.update(forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s)  # rank 0's times
     return PrecomputeSummary(
-        cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
+        **total, cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
         num_loss_tokens=manifest["num_loss_tokens"], rejected=dict(rejected),
-        bytes_per_token=bytes_per_token, written_sequences=total.written_sequences,
-        written_tokens=total.written_tokens, resumed_sequences=total.resumed,
-        truncated=total.truncated, regenerated_replies=total.regenerated_replies,
-        cut_replies=total.cut_replies, regenerated=cache.spec.regenerated,
+        bytes_per_token=bytes_per_token, regenerated=cache.spec.regenerated,
         generation_temperature=cache.spec.generation_temperature, max_length=config.max_length,
         max_new_tokens=config.max_new_tokens, wall_s=time.perf_counter() - start,
-        forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s,
         world_size=world_size, already_complete=already_complete)

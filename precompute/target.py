@@ -29,6 +29,7 @@ import torch
 from dflash.shards import TargetInfo, default_layer_ids
 from dflash.shards.files import atomic_dir
 from dflash.shards.fingerprint import target_fingerprint
+from dflash.shards.layout import HEAD_FILE
 
 # fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
 TOPK_CHUNK_BYTES = 2**28
@@ -370,9 +371,9 @@ class Target:
             if norm is not None:
                 tensors["norm.weight"] = norm
             try:
-                save_file(tensors, tmp / "head.safetensors")
+                save_file(tensors, tmp / HEAD_FILE)
             except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-                raise OSError(f"{tmp / 'head.safetensors'}: cannot write the target's embedding and LM "
+                raise OSError(f"{tmp / HEAD_FILE}: cannot write the target's embedding and LM "
                               f"head: {error}; free space under {out.parent} and run again") from error
             info.save(tmp)
 

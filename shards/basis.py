@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-BASIS_FILE = "feature_basis.safetensors"
+from dflash.shards.layout import BASIS_FILE
+
 METHODS = ("uncentered-pca",)
 
 

@@ -18,6 +18,7 @@ import click
 
 from dflash.shards import report
 from dflash.shards.commands import DflashGroup, version_option
+from dflash.shards.layout import REJECTED
 from dflash.shards.options import ARGUMENT, EXISTS, METAVAR, PATH, config_options, given
 from dflash.shards.reader import verify_cache
 
@@ -119,7 +120,7 @@ def verify(as_json: bool, **options: Any) -> None:
     if result["ok"] and result["num_sequences"] == 0:  # nothing to train on is a problem, not "ok"
         result["ok"] = False
         result["problems"].append({"shard": None, "problem": (
-            "the cache holds no sequence (every record was rejected or cut away: see rejected.jsonl); "
+            f"the cache holds no sequence (every record was rejected or cut away: see {REJECTED}); "
             "re-run dflash-precompute with other --data")})
     click.echo(json.dumps(result) if as_json else report.format_verify(result))
     sys.exit(0 if result["ok"] else 1)

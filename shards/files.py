@@ -6,13 +6,15 @@ old file or the new one, never a readable half. `write_atomic` (bytes, text),
 `write_json_atomic`, `write_npz_atomic` (numpy arrays, e.g. a run's anchor index) and
 `atomic_path` (for libraries that take a file name) write one file; a folder of files
 published together (a checkpoint, an export, CACHE/target) is written the same way as a whole
-by `atomic_dir`. Python and numpy only: the bottom layer, so that precompute and train share
+by `atomic_dir`. `file_sha256` is the checksum the manifest records for each file it lists.
+Python and numpy only: the bottom layer, so that precompute and train share
 it without importing each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -118,6 +120,15 @@ def publish_readable(folder: Path) -> None:
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+def file_sha256(path: str | Path, chunk_bytes: int = 8 * 2**20) -> str:
+    """The sha256 of the file at `path` (hex), read in chunks of `chunk_bytes`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def write_atomic(path: str | Path, data: bytes | str) -> None:
     """Write `data` (bytes, or text as UTF-8) to `path` atomically."""
     if isinstance(data, str):
@@ -144,5 +155,5 @@ def write_npz_atomic(path: str | Path, **arrays: Any) -> None:
             np.savez(f, **arrays)
 
 
-__all__ = ["atomic_dir", "atomic_path", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic",
+__all__ = ["atomic_dir", "atomic_path", "file_sha256", "fsync_dir", "fsync_file", "write_atomic", "write_json_atomic",
            "write_npz_atomic"]

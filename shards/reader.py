@@ -25,8 +25,9 @@ import pyarrow as pa
 
 from dflash.shards import codecs, rows
 from dflash.shards.basis import FeatureBasis
+from dflash.shards.files import file_sha256
+from dflash.shards.layout import MANIFEST
 from dflash.shards.spec import CacheSpec, check_format_version
-from dflash.shards.writer import MANIFEST, file_sha256
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Cache:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(
                 f"{manifest_path} is not valid JSON ({error}); rebuild the cache (re-run "
-                "dflash-precompute into it) or restore manifest.json from a copy"
+                f"dflash-precompute into it) or restore {MANIFEST} from a copy"
             ) from error
         if not isinstance(manifest, dict) or manifest.get("format") != "dflash-cache":
             raise ValueError(f"{manifest_path} is not a dflash cache manifest")
@@ -428,7 +429,7 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
     for shard, (shard_path, entry) in enumerate(zip(cache.shard_paths, cache.shards)):
         name = entry["path"]
         if not shard_path.exists():
-            problem = f"file is missing (listed in manifest.json shards[{shard}].path)"
+            problem = f"file is missing (listed in {MANIFEST} shards[{shard}].path)"
             problems.append({"shard": name, "problem": problem})
             continue
         digest = file_sha256(shard_path)

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.files import write_json_atomic
-
-TARGET_INFO_FILE = "target.json"
+from dflash.shards.layout import TARGET_INFO_FILE
 
 # Version 1: the fields below. A file without `version` predates the field and is version 1.
 TARGET_INFO_VERSION = 1

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dflash.shards.basis import SecondMoment, fit_basis, write_basis
+from dflash.shards.layout import TARGET_DIR
 from dflash.shards.reader import open_cache
 from dflash.shards.writer import CacheWriter, finalize_cache
 
@@ -71,5 +72,5 @@ def transcode_cache(src: str | Path, dst: str | Path, *, feature_codec: str, fea
     write_s += time.perf_counter() - began
     finalize_cache(dst, spec, 1)
     if source.target_dir.is_dir():
-        shutil.copytree(source.target_dir, dst / "target")
+        shutil.copytree(source.target_dir, dst / TARGET_DIR)
     return {"fit_s": fit_s, "write_s": write_s, "num_tokens": int(np.sum(source.lengths))}

@@ -15,7 +15,6 @@ raised in the caller at its next `add`, `reject` or `close`.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import queue
@@ -28,43 +27,24 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.shards import rows
-from dflash.shards.basis import BASIS_FILE, FeatureBasis
-from dflash.shards.files import fsync_dir, write_atomic, write_json_atomic
+from dflash.shards.basis import FeatureBasis
+from dflash.shards.files import file_sha256, fsync_dir, write_atomic, write_json_atomic
+from dflash.shards.layout import (
+    BASIS_FILE,
+    MANIFEST,
+    REJECTED,
+    SHARDS_DIR,
+    TARGET_DIR,
+    done_name,
+    record_name,
+    shard_name,
+    spec_name,
+)
+from dflash.shards.reader import Cache, open_cache
 from dflash.shards.spec import CacheSpec
-
-SHARDS_DIR = "shards"
-MANIFEST = "manifest.json"
-REJECTED = "rejected.jsonl"
-TARGET_DIR = "target"
 
 # Log-probs may exceed 0 and the top-k mass 1 by float rounding of the producer's softmax.
 _LOGPROB_SLACK = 1e-3
-
-
-def shard_name(rank: int, index: int) -> str:
-    return f"rank{rank:05d}-{index:05d}.arrow"
-
-
-def _record_name(rank: int, index: int) -> str:
-    return f"rank{rank:05d}-{index:05d}.json"
-
-
-def _spec_name(rank: int) -> str:
-    return f"rank{rank:05d}.spec.json"
-
-
-def _done_name(rank: int) -> str:
-    return f"rank{rank:05d}.done.json"
-
-
-
-
-def file_sha256(path: Path, chunk_bytes: int = 8 * 2**20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_json(path: Path) -> Any:
@@ -269,7 +249,7 @@ class CacheWriter:
                     f"this run has {self.world_size}; resume with the same number of processes "
                     "or write to a new cache directory"
                 )
-        spec_path = self.shards_dir / _spec_name(self.rank)
+        spec_path = self.shards_dir / spec_name(self.rank)
         if spec_path.exists():
             recorded = _read_json(spec_path)
             old = CacheSpec.from_dict(recorded["spec"])
@@ -288,7 +268,7 @@ class CacheWriter:
                   "spec": self.spec.to_dict()}
         if self._basis_sha256 is not None:
             record["feature_basis_sha256"] = self._basis_sha256
-        write_json_atomic(self.shards_dir / _spec_name(self.rank), record)
+        write_json_atomic(self.shards_dir / spec_name(self.rank), record)
 
     def use_basis(self, basis: FeatureBasis) -> None:
         """Set the basis rows are encoded with (basis codecs; before the first `add`). A resumed
@@ -302,7 +282,7 @@ class CacheWriter:
         digest = basis.sha256()
         if self._basis_sha256 is not None and digest != self._basis_sha256:
             raise ValueError(
-                f"{self.shards_dir / _spec_name(self.rank)}: this rank's rows were written with feature "
+                f"{self.shards_dir / spec_name(self.rank)}: this rank's rows were written with feature "
                 f"basis {self._basis_sha256}, this writer was given {digest}; resume with the cache's own "
                 f"{BASIS_FILE} or write to a new cache directory"
             )
@@ -317,7 +297,7 @@ class CacheWriter:
         done: set[tuple[str, int]] = set()
         num_shards = 0
         while True:
-            record_path = self.shards_dir / _record_name(self.rank, num_shards)
+            record_path = self.shards_dir / record_name(self.rank, num_shards)
             shard_path = self.shards_dir / shard_name(self.rank, num_shards)
             if not record_path.exists():
                 break
@@ -335,7 +315,7 @@ class CacheWriter:
             if match and int(match.group(1)) >= num_shards:
                 path.unlink()
         pending: list[dict[str, Any]] = []
-        done_path = self.shards_dir / _done_name(self.rank)
+        done_path = self.shards_dir / done_name(self.rank)
         if done_path.exists():
             # Reopening a closed rank: its trailing rejects stay committed, the rank is open again.
             pending = _read_json(done_path)["rejects"]
@@ -375,7 +355,7 @@ class CacheWriter:
         self._raise_pending()
         self._finish_shard()
         write_json_atomic(
-            self.shards_dir / _done_name(self.rank),
+            self.shards_dir / done_name(self.rank),
             {
                 "format_version": self.spec.format_version,
                 "rank": self.rank,
@@ -523,7 +503,7 @@ class CacheWriter:
             },
             "rejects": self._pending_rejects,
         }
-        write_json_atomic(self.shards_dir / _record_name(self.rank, self._num_shards), record)
+        write_json_atomic(self.shards_dir / record_name(self.rank, self._num_shards), record)
         for row in self._shard_rows:
             self.done_sources.add((row["source"]["file"], row["source"]["index"]))
         self.done_sources.update((r["file"], r["index"]) for r in self._pending_rejects)
@@ -533,11 +513,9 @@ class CacheWriter:
         self._pending_rejects = []
 
 
-def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int):
+def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int) -> Cache:
     """Merge every rank's records into rejected.jsonl and manifest.json (written last,
     atomically); returns the opened Cache. Call on one process after all writers closed."""
-    from dflash.shards.reader import open_cache
-
     cache_dir = Path(cache_dir)
     shards_dir = cache_dir / SHARDS_DIR
     shards, rejects, sequences = _gather_ranks(cache_dir, spec, world_size)
@@ -598,13 +576,13 @@ def _gather_ranks(cache_dir: Path, spec: CacheSpec, world_size: int) -> tuple[li
     rejects: list[dict[str, Any]] = []
     sequences: dict[str, list] = {"source_file": [], "source_index": [], "length": [], "num_loss_tokens": []}
     for rank in range(world_size):
-        done_path = shards_dir / _done_name(rank)
+        done_path = shards_dir / done_name(rank)
         if not done_path.exists():
             raise ValueError(
                 f"rank {rank} has not closed its writer ({done_path} is missing): rerun the "
                 "producer so that every rank finishes, then finalize"
             )
-        recorded = CacheSpec.from_dict(_read_json(shards_dir / _spec_name(rank))["spec"])
+        recorded = CacheSpec.from_dict(_read_json(shards_dir / spec_name(rank))["spec"])
         differ = recorded.identity_diff(spec)
         if differ:
             raise ValueError(
@@ -614,7 +592,7 @@ def _gather_ranks(cache_dir: Path, spec: CacheSpec, world_size: int) -> tuple[li
         done = _read_json(done_path)
         rejects += done["rejects"]
         for index in range(done["num_shards"]):
-            record = _read_json(shards_dir / _record_name(rank, index))
+            record = _read_json(shards_dir / record_name(rank, index))
             shard_path = cache_dir / record["path"]
             if not shard_path.exists() or shard_path.stat().st_size != record["num_bytes"]:
                 raise ValueError(
@@ -636,7 +614,7 @@ def _basis_entry(cache_dir: Path, shards_dir: Path, world_size: int) -> dict[str
     basis = FeatureBasis.load(path)
     digest = file_sha256(path)
     for rank in range(world_size):
-        recorded = _read_json(shards_dir / _spec_name(rank)).get("feature_basis_sha256")
+        recorded = _read_json(shards_dir / spec_name(rank)).get("feature_basis_sha256")
         if recorded != digest:
             raise ValueError(
                 f"rank {rank} wrote its rows with feature basis {recorded}, but {path} has sha256 "

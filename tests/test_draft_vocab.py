@@ -19,10 +19,10 @@ from dflash.train.acceptance import greedy_tokens, sequence_acceptance, target_t
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.config import LossConfig
 from dflash.train.data import held_out_mask
-from dflash.train.export import export_run, load_exported
+from dflash.train.export import export_run
 from dflash.train.fit import _loss, fit
+from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,10 +21,9 @@ from dflash.testing.builders import char_chat_target, char_tokenizer, tiny_fit_c
 from dflash.train.acceptance import evaluate_offline
 from dflash.train.cli import main
 from dflash.train.data import held_out_mask
-from dflash.train.export import load_exported
 from dflash.train.fit import fit
+from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import TargetHead
-from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
 
 LAYER_IDS = [1, 3]

@@ -11,15 +11,9 @@ from safetensors.torch import save_file
 from dflash.shards import CacheSpec
 from dflash.shards.synthetic import write_synthetic_cache
 from dflash.testing.builders import drafter_config
-from dflash.train.export import (
-    drafter_config_from_hf,
-    export_run,
-    hf_config,
-    load_exported,
-    write_export,
-)
+from dflash.train.export import export_run, hf_config, write_export
+from dflash.train.loading import drafter_config_from_hf, load_drafter, load_exported
 from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, DrafterContextCache
-from dflash.train.run_folder import load_drafter
 
 H, V, LAYERS = 32, 50, 3  # H: the hidden size of dflash.testing.builders.drafter_config
 

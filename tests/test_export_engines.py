@@ -15,8 +15,8 @@ from dflash.shards.files import publish_readable
 from dflash.testing.builders import drafter_config
 from dflash.train.checkpoint import CheckpointWriter
 from dflash.train.export import export_command, model_card, write_export
+from dflash.train.loading import LoadedDrafter
 from dflash.train.model import DFlashDrafter
-from dflash.train.run_folder import LoadedDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

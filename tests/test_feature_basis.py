@@ -166,8 +166,9 @@ def test_match_features_refuses_a_foreign_basis(tmp_path):
 @pytest.mark.e2e  # fit, export and eval
 def test_fit_export_and_eval_on_a_basis_cache(tmp_path):
     from dflash.train.evaluate import EvalConfig, run_eval
-    from dflash.train.export import export_run, load_exported
+    from dflash.train.export import export_run
     from dflash.train.fit import fit
+    from dflash.train.loading import load_exported
     from dflash.train.synthetic import write_synthetic_training_cache
 
     lengths = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60]

@@ -21,12 +21,12 @@ from dflash.testing.builders import FIT_LENGTHS, tiny_fit_config
 from dflash.train.basis import fold_basis
 from dflash.train.checkpoint import list_checkpoints
 from dflash.train.evaluate import evaluate_offline
-from dflash.train.export import export_run, load_exported, write_export
+from dflash.train.export import export_run, write_export
 from dflash.train.fit import fit
 from dflash.train.identity import read_run_info
 from dflash.train.init_from import file_sha256, unfold_basis
+from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

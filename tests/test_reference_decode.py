@@ -14,7 +14,8 @@ import torch
 
 from dflash.shards import TargetInfo
 from dflash.testing.builders import drafter_config, tiny_causal_lm
-from dflash.train.export import load_exported, write_export
+from dflash.train.export import write_export
+from dflash.train.loading import load_exported
 from dflash.train.mask_token import choose_mask_token_id
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 from dflash.train.online import Prompt, evaluate_online

@@ -40,8 +40,8 @@ import torch
 
 from dflash.shards.files import write_npz_atomic
 from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.run_folder import DRAFT_VOCAB_FILE
 
-DRAFT_VOCAB_FILE = "draft_vocab.npz"
 DEFAULT_MAX_TOKENS = 1 << 26  # 67M tokens: ~335 MB of ids and masks read, seconds to a minute
 
 
@@ -129,5 +129,5 @@ def remap_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, head: Tar
     return ids, logprobs, ids.gather(1, best)[:, 0], ~outside.all(1)
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DRAFT_VOCAB_FILE", "choose", "count_tokens", "install",
+__all__ = ["DEFAULT_MAX_TOKENS", "choose", "count_tokens", "install",
            "load_or_choose", "remap_teacher"]

@@ -6,7 +6,7 @@ decoding against the real target in train/online.py. This file chooses what they
 puts the results together:
 
 - the drafter: RUN's newest checkpoint, or `--checkpoint` (a RUN/checkpoints/step-N folder or
-  an exported one), read by `dflash.train.run_folder.load_drafter`;
+  an exported one), read by `dflash.train.loading.load_drafter`;
 - the sequences (`held_out_selection`): by default the run's held-out set (`held_out_mask`
   over its caches with its seed and eval_fraction, as fit drew it); a `--cache` of the run
   gives its share, another cache all of its sequences (`--split train`: the sequences fit
@@ -46,9 +46,10 @@ from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features
 from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
+from dflash.train.loading import load_drafter
 from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.online import evaluate_online, load_prompts
-from dflash.train.run_folder import eval_results_path, load_drafter
+from dflash.train.run_folder import eval_results_path
 from dflash.train.speculative import DrafterProposer
 
 

@@ -1,6 +1,6 @@
-"""`dflash-train export`: a trained drafter as a Hugging Face folder in z-lab's DFlash format,
-and loading such a folder back (`load_exported`; a run's checkpoints are read by
-train/run_folder.py, which also takes an exported folder as `--checkpoint`).
+"""`dflash-train export`: a trained drafter as a Hugging Face folder in z-lab's DFlash format.
+Such a folder is read back by train/loading.py (`load_exported`; its `load_drafter`, which
+reads a run's checkpoint for the export, also takes an exported folder as `--checkpoint`).
 
 The folder holds what z-lab/dflash's `DFlashDraftModel.from_pretrained` and the serving
 engines that adopted its format read:
@@ -44,21 +44,18 @@ import torch
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
+from dflash.shards.layout import TARGET_DIR, TARGET_INFO_FILE
 from dflash.shards.options import PATH, check_choices, config_options, given
-from dflash.shards.target_info import TARGET_INFO_FILE
-from dflash.shards.writer import TARGET_DIR
+from dflash.train.loading import ARCHITECTURE, HF_CONFIG_FILE, HF_WEIGHTS_FILE, LoadedDrafter, load_drafter
 from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
-from dflash.train.run_folder import LoadedDrafter, eval_results_path, held_out_eval, load_drafter
+from dflash.train.run_folder import eval_results_path, held_out_eval
 
-ARCHITECTURE = "DFlashDraftModel"
 ExportDtype = Literal["bfloat16", "float32", "float16"]
 DTYPES = {name: getattr(torch, name) for name in get_args(ExportDtype)}
 # What serving engines run drafters in; float16 is offered but has collapsed acceptance in
 # some engines (the target features overflow it).
 DEFAULT_EXPORT_DTYPE = "bfloat16"
-# The exported folder's files.
-HF_CONFIG_FILE = "config.json"
-HF_WEIGHTS_FILE = "model.safetensors"
+# The exported folder's model card (its config.json and model.safetensors: loading.py).
 CARD_FILE = "README.md"
 
 
@@ -118,55 +115,6 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
     return data
 
 
-def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
-    """A DrafterConfig from an exported (or z-lab) config.json; ValueError naming `where` and
-    the field when the checkpoint uses a feature this drafter does not implement."""
-    dflash = data.get("dflash_config") or {}
-
-    def pick(name: str, default: Any = None) -> Any:
-        return dflash.get(name, data.get(name, default))
-
-    if ARCHITECTURE not in (data.get("architectures") or []):
-        raise ValueError(f"{where}: architectures is {data.get('architectures')!r}, not [{ARCHITECTURE!r}]")
-    unsupported = {
-        "attention_bias": bool(data.get("attention_bias")),
-        "dflash_config.causal": bool(dflash.get("causal")),
-        "dflash_config.use_swa": bool(dflash.get("use_swa")),
-        "layer_types": any(t != "full_attention" for t in data.get("layer_types") or []),
-        "rope_parameters.rope_type": (data.get("rope_parameters") or {}).get("rope_type", "default") != "default",
-        "is_causal": bool(data.get("is_causal")),
-        "hidden_act": data.get("hidden_act", "silu") != "silu",
-    }
-    bad = [name for name, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise ValueError(f"{where}: this drafter implements full bidirectional attention without bias, "
-                         f"default RoPE and SiLU; the checkpoint sets {bad}")
-    for name in ("target_layer_ids", "mask_token_id"):
-        if pick(name) is None:
-            raise ValueError(f"{where}: dflash_config.{name} is missing")
-    rope_theta = (data.get("rope_parameters") or {}).get("rope_theta", data.get("rope_theta", 10000.0))
-    heads = int(data["num_attention_heads"])
-    return DrafterConfig(
-        hidden_size=int(data["hidden_size"]),
-        intermediate_size=int(data["intermediate_size"]),
-        num_hidden_layers=int(data["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-        head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-        vocab_size=int(data["vocab_size"]),
-        target_layer_ids=[int(i) for i in pick("target_layer_ids")],
-        num_target_layers=int(pick("num_target_layers", max(pick("target_layer_ids")) + 1)),
-        block_size=int(pick("block_size", 16)),
-        mask_token_id=int(pick("mask_token_id")),
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
-        initializer_range=float(data.get("initializer_range", 0.02)),
-        draft_vocab_size=None if data.get("draft_vocab_size") in (None, data["vocab_size"])
-        else int(data["draft_vocab_size"]),
-    )
-
-
 def draft_vocab_tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A draft vocabulary under EAGLE-3's names, as vLLM loads them: `lm_head.weight` [V_d, H]
     in `dtype` and `d2t` [V_d] int64 offsets (target id = draft id + d2t[draft id]); {} without."""
@@ -175,58 +123,6 @@ def draft_vocab_tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str,
     ids = drafter.draft_ids.detach().to("cpu", torch.long)
     return {"lm_head.weight": drafter.draft_head.detach().to("cpu", dtype).contiguous(),
             "d2t": (ids - torch.arange(ids.shape[0])).contiguous()}
-
-
-def read_draft_vocab(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """The reverse of `draft_vocab_tensors`: `state` with `lm_head.weight` and `d2t` as the
-    drafter's `draft_head` and `draft_ids` (an export with a draft vocabulary)."""
-    if "d2t" not in state and "lm_head.weight" not in state:
-        return state
-    if "d2t" not in state or "lm_head.weight" not in state:
-        raise ValueError(f"{where}: a draft vocabulary needs both lm_head.weight and d2t, the file has one")
-    state = dict(state)
-    offsets = state.pop("d2t").long()
-    state["draft_ids"] = offsets + torch.arange(offsets.shape[0])
-    state["draft_head"] = state.pop("lm_head.weight")
-    return state
-
-
-def is_exported(path: str | Path) -> bool:
-    """Whether `path` is a folder with a DFlash draft config.json and weights."""
-    path = Path(path)
-    return (path / HF_CONFIG_FILE).is_file() and (path / HF_WEIGHTS_FILE).is_file()
-
-
-def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
-                  dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load an exported folder (ours or z-lab's format) into a DFlashDrafter."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    config = drafter_config_from_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path / HF_CONFIG_FILE))
-    drafter = DFlashDrafter(config)
-    load_weights(drafter, read_draft_vocab(load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE),
-                 path / HF_WEIGHTS_FILE)
-    return drafter.to(device=device, dtype=dtype)
-
-
-def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: Path) -> None:
-    """Load `state` into `drafter`, refusing (ValueError naming `where`) names or shapes that
-    differ from the drafter's config."""
-    expected = drafter.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        raise ValueError(f"{where}: parameters do not match the drafter's config: missing {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                         f"{' ...' if len(unexpected) > 5 else ''}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                             f"{tuple(expected[name].shape)}")
-    drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
-
-
 
 
 def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype = DTYPES[DEFAULT_EXPORT_DTYPE],
@@ -470,18 +366,11 @@ def export_command(**options: Any) -> None:
 
 
 __all__ = [
-    "ARCHITECTURE",
     "CARD_FILE",
     "ExportConfig",
-    "HF_CONFIG_FILE",
-    "HF_WEIGHTS_FILE",
-    "drafter_config_from_hf",
     "export_command",
     "export_run",
     "hf_config",
-    "is_exported",
-    "load_exported",
-    "load_weights",
     "model_card",
     "write_export",
 ]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from dflash.kernels import sparse_kl_loss
 from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
+from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
 from dflash.train import draft_vocab, parallel
 from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
@@ -348,7 +349,7 @@ def initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead,
     with torch.no_grad():
         if config.norm_init == "target":
             if head.final_norm is None:
-                raise ValueError(f"--norm-init target: {target_dir / 'head.safetensors'} holds no norm.weight "
+                raise ValueError(f"--norm-init target: {target_dir / HEAD_FILE} holds no norm.weight "
                                  "(a cache written before the target's final norm was stored); rebuild the cache "
                                  "with dflash-precompute, or use --norm-init ones")
             model.norm.weight.copy_(head.final_norm)
@@ -430,7 +431,7 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
         raise ValueError(
-            f"{target_dir}/target.json (layers {drafter_config.target_layer_ids}, hidden "
+            f"{target_dir / TARGET_INFO_FILE} (layers {drafter_config.target_layer_ids}, hidden "
             f"{drafter_config.hidden_size}) disagrees with the cache spec (layers {spec.layer_ids}, "
             f"hidden {spec.hidden_size}): the cache is inconsistent; rebuild it"
         )
@@ -572,7 +573,7 @@ def _handle_spike(run: Run, epoch: int, step_in_epoch: int, loss: float, grad_no
     raise SpikeStop(
         f"stopped at step {run.step}: {run.gate.consecutive_skips} steps in a row were skipped as "
         f"spikes (last: {reason}). The batches and their sequences are in "
-        f"{run.run_dir / 'spikes.jsonl'} (open one with `dflash-shards show <cache> <sequence>`); the last "
+        f"{run.run_dir / SPIKES_FILE} (open one with `dflash-shards show <cache> <sequence>`); the last "
         f"good checkpoint is {where or 'none (no checkpoint was written)'}. Fix or drop "
         f"those sequences, or raise --spike-factor / --max-consecutive-skips, then rerun "
         f"to resume from that checkpoint."

@@ -106,7 +106,7 @@ def file_sha256(path: str | Path) -> str:
 
 def read_source(path: str | Path) -> InitSource:
     """The source at `path` (config and weights' sha256; the weights are read by `load_state`)."""
-    from dflash.train.export import drafter_config_from_hf, is_exported
+    from dflash.train.loading import drafter_config_from_hf, is_exported
 
     path = Path(path).expanduser().resolve()
     if is_exported(path):
@@ -145,7 +145,7 @@ def load_state(source: InitSource) -> dict[str, torch.Tensor]:
     if source.kind == "export":
         return {name: t.float() for name, t in load(data).items()}
     from dflash.train.basis import match_features
-    from dflash.train.run_folder import load_drafter
+    from dflash.train.loading import load_drafter
 
     checkpoint = Path(source.weights).parent
     loaded = load_drafter(checkpoint.parent.parent, checkpoint)
@@ -235,7 +235,7 @@ def warm_start(drafter: DFlashDrafter, state: dict[str, torch.Tensor], source_co
     """Load `state` (z-lab parameter names, any dtype; made for `source_config`, raw features)
     into `drafter` in place. With `basis` (the drafter reads its coefficients), fc goes through
     `unfold_basis`. ValueError when the shapes or names do not fit."""
-    from dflash.train.export import load_weights
+    from dflash.train.loading import load_weights
 
     check_compatible(source_config, drafter.config, where=where)
     c = drafter.config

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.shards import TargetInfo
+from dflash.shards.layout import HEAD_FILE
 from dflash.train.mask_token import choose_mask_token_id, read_target_json
 
 AttentionImpl = Literal["auto", "flex", "dense"]
@@ -203,7 +204,7 @@ class TargetHead:
              dtype: torch.dtype | None = None) -> TargetHead:
         from safetensors.torch import load_file
 
-        path = Path(target_dir) / "head.safetensors"
+        path = Path(target_dir) / HEAD_FILE
         if not path.exists():
             raise ValueError(f"{path} is missing: the cache's target/ folder is incomplete")
         try:

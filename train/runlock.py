@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.layout import MANIFEST, SHARDS_DIR
 from dflash.train.run_folder import LOCK_FILE, RUN_CONFIG_FILE
 
 
@@ -44,7 +45,7 @@ def check_out_folder(out: Path) -> bool:
     if not out.exists():
         return False
     if any(out.iterdir()) and not is_run_folder(out):
-        what = ("a dflash cache" if (out / "manifest.json").is_file() or (out / "shards").is_dir()
+        what = ("a dflash cache" if (out / MANIFEST).is_file() or (out / SHARDS_DIR).is_dir()
                 else "a model folder" if (out / "config.json").is_file() else "a folder of other files")
         raise ValueError(f"--out {out} is not empty and not a dflash run folder (it looks like {what}): "
                          "give a new or empty folder, or an earlier run's folder to resume it")

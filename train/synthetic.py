@@ -16,6 +16,7 @@ import torch
 
 from dflash.shards import TargetInfo
 from dflash.shards.files import atomic_dir
+from dflash.shards.layout import HEAD_FILE, TARGET_DIR
 
 
 def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_size: int,
@@ -49,7 +50,7 @@ def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_si
         info.save(tmp)
         save_file({"embed_tokens.weight": embed.to(dtype).contiguous(),
                    "lm_head.weight": head.to(dtype).contiguous(), "norm.weight": norm.contiguous()},
-                  str(tmp / "head.safetensors"))
+                  str(tmp / HEAD_FILE))
 
 
 def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int], vocab_size: int = 64,
@@ -69,7 +70,7 @@ def write_synthetic_training_cache(cache_dir: str | Path, *, lengths: list[int],
                      target={"name": "synthetic", "model_type": "qwen3", "num_layers": num_layers,
                              "config_sha256": "synthetic", "dtype": "bfloat16"})
     cache = write_synthetic_cache(cache_dir, spec, lengths, seed=seed, zipf=zipf)
-    write_synthetic_target(Path(cache_dir) / "target", vocab_size=vocab_size, hidden_size=hidden_size,
+    write_synthetic_target(Path(cache_dir) / TARGET_DIR, vocab_size=vocab_size, hidden_size=hidden_size,
                            num_layers=num_layers, layer_ids=list(layer_ids),
                            num_attention_heads=num_attention_heads,
                            num_key_value_heads=num_key_value_heads, head_dim=head_dim,
