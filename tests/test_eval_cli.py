@@ -25,7 +25,7 @@ from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.run_folder import load_drafter
 from dflash.train.synthetic import write_synthetic_training_cache
-from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config
+from tests.builders import char_chat_target, char_tokenizer, tiny_fit_config, write_jsonl
 
 LAYER_IDS = [1, 3]
 
@@ -194,6 +194,42 @@ def test_online_eval_is_lossless_beside_offline(chat_setup):
     assert figures["num_replay_verifications"] == online["num_verifications"]
     assert figures["replay_acceptance_length"] == pytest.approx(online["acceptance_length"], abs=1e-12)
     assert "online   tau" in result.output and "lossless yes" in result.output
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_online_eval_decodes_suites_by_name(chat_setup, tmp_path, temperature):
+    """Local copies of two suites in their hub columns; the report has one column per suite,
+    and RUN/eval/<checkpoint>.json keeps each (suite, temperature, seed)."""
+    root, prompts, run = chat_setup
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": q} for q in ["what is 2+2", "and 3+3", "why"]])
+    mt_bench = write_jsonl(tmp_path / "mt.jsonl", [{"prompt": ["hello", "tell me a story"]}])
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--target", str(root / "target"),
+        "--prompts", f"gsm8k={gsm8k},mt-bench={mt_bench}", "--limit", "2", "--max-new-tokens", "10",
+        "--temperature", temperature, "--seed", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    suites = {e["suite"]: e for e in figures["suites"]}
+    assert (suites["gsm8k"]["num_prompts"], suites["mt-bench"]["num_prompts"]) == (2, 1)
+    assert suites["mt-bench"]["num_turns"] == 2 and suites["gsm8k"]["num_turns"] == 2
+    sampled = temperature != "0"
+    assert all(e["lossless"] is (None if sampled else True) and e["temperature"] == float(temperature)
+               for e in suites.values())
+    assert all(1.0 <= e["acceptance_length"] <= 4.0 and len(e["per_position_acceptance"]) == 3
+               for e in suites.values())
+    header = next(line for line in result.output.splitlines() if "gsm8k" in line and "mt-bench" in line)
+    assert header.split() == ["gsm8k", "mt-bench"]
+    assert "tau, mean over turns" in result.output and "accepted through 3" in result.output
+    saved = json.loads(Path(figures["saved_to"]).read_text())["suites"]
+    assert all(any(s == e for s in saved) for e in figures["suites"])
+
+
+def test_online_eval_refuses_a_cache_with_suites(chat_setup):
+    root, prompts, run = chat_setup
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--cache", str(root / "cache"), "--target", str(root / "target"),
+        "--prompts", "gsm8k"])
+    assert result.exit_code == 1 and result.output.startswith("Error: ") and "drop --cache" in result.output
 
 
 @pytest.mark.parametrize("block_size", ["2", "16"])
