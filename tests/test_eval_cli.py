@@ -242,3 +242,19 @@ def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
     figures = last_json(result.output)
     assert "acceptance_length" not in figures
     assert figures["online"]["num_prompts"] == 3 and figures["online"]["lossless"] is True
+
+
+def test_the_demos_out_of_domain_line(chat_setup, tmp_path):
+    """demo/out_of_domain.py on a tiny run: in domain and suite-style prompts at T = 0 and 1."""
+    from demo.out_of_domain import format_line, out_of_domain
+
+    root, prompts, run = chat_setup
+    result = out_of_domain(work=tmp_path, run_dir=run, target=root / "target", cache=root / "cache", data=prompts,
+                           suites=["gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=8)
+    assert set(result["in_domain"]) == set(result["suites"]) == {0.0, 1.0}
+    assert result["in_domain"][0.0]["lossless"] is True and result["in_domain"][1.0]["lossless"] is None
+    assert [e["suite"] for e in result["suites"][1.0]] == ["gsm8k", "mt-bench"]
+    assert result["suites"][0.0][1]["num_turns"] == 4
+    line = format_line(result)
+    assert "T=0: in domain" in line and "T=1: in domain" in line and "gsm8k-style" in line
+    print(line)
