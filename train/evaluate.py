@@ -129,7 +129,7 @@ class EvalConfig:
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.online and self.cache is not None and suite_specs(self.prompts) is not None:
+        if self.online and suite_specs(self.prompts) is not None and self.cache is not None:  # names checked here
             raise ValueError("--cache pairs offline figures with the records file the cache was built from; "
                              "a suite has none: drop --cache")
 
