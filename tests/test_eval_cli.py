@@ -246,15 +246,18 @@ def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
 
 def test_the_demos_out_of_domain_line(chat_setup, tmp_path):
     """demo/out_of_domain.py on a tiny run: in domain and suite-style prompts at T = 0 and 1."""
-    from demo.out_of_domain import format_line, out_of_domain
+    from demo.out_of_domain import format_line, format_table, out_of_domain
 
     root, prompts, run = chat_setup
     result = out_of_domain(work=tmp_path, run_dir=run, target=root / "target", cache=root / "cache", data=prompts,
-                           suites=["gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=8)
-    assert set(result["in_domain"]) == set(result["suites"]) == {0.0, 1.0}
-    assert result["in_domain"][0.0]["lossless"] is True and result["in_domain"][1.0]["lossless"] is None
-    assert [e["suite"] for e in result["suites"][1.0]] == ["gsm8k", "mt-bench"]
-    assert result["suites"][0.0][1]["num_turns"] == 4
-    line = format_line(result)
+                           suites=["gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=8, seeds=(0, 1))
+    assert [(r["temperature"], r["seed"]) for r in result["runs"]] == [(0.0, None), (1.0, 0), (1.0, 1)]
+    greedy, sampled = result["runs"][0], result["runs"][1]
+    assert greedy["in_domain"]["lossless"] is True and sampled["in_domain"]["lossless"] is None
+    assert [e["suite"] for e in sampled["suites"]] == ["gsm8k", "mt-bench"]
+    assert greedy["suites"][1]["num_turns"] == 4 and greedy["in_domain"]["num_prompts"] == 2
+    line, table = format_line(result), format_table(result)
     assert "T=0: in domain" in line and "T=1: in domain" in line and "gsm8k-style" in line
-    print(line)
+    assert table.splitlines()[0] == "| prompts | T = 0 | T = 1 (2 seeds) |" and len(table.splitlines()) == 5
+    assert " +- " in table.splitlines()[2]
+    print(line, table, sep="\n")
