@@ -12,7 +12,8 @@ reused when present under --work), every prompt is decoded once per seed, on bot
   drafts accepted while they equal its draws), the run's drafter with its weights rounded to
   the export's dtype, as bench/engine_check.py's reference;
 - vLLM: one job, one process, two engines (the target alone, and with the drafter as
-  `speculative_config={"method": "dflash", ...}`), each request seeded.
+  `speculative_config={"method": "dflash", ...}`), the requests drawing from the engine's
+  generator (vLLM's CPU build refuses per-request seeds, bench/engine_vllm.py).
 
 vLLM's rule for DFlash drafts (vllm/v1/sample/rejection_sampler.py, 0.32 wheel): the drafts
 are the drafter's argmax (`draft_sample_method="greedy"`, the default; the proposer then keeps

@@ -17,8 +17,12 @@ chat template, or `chat_template` when given, with `chat_template_kwargs`, as it
 server renders a request): then the ids it rendered come back, to be checked against dflash's.
 Modes: "batched" decodes every prompt in one `generate` call, "single" one prompt at a time
 (the batch-1 speed). Each engine first decodes one untimed warm-up request. Greedy unless
-the case gives a temperature: then every prompt is decoded once per seed (a request seeded
-with it, no top-k or top-p), and the outputs come prompt-major, seed-minor.
+the case gives a temperature: then every prompt is decoded once per entry of `seeds`, no
+top-k or top-p, and the outputs come prompt-major, seed-minor. The requests are not seeded
+one by one: vLLM's CPU build refuses per-request seeds (its sampler advances a
+torch.Generator by offsets, which only CUDA generators have: "CPU Generator does not use
+offset"), so every request draws from the engine's generator (`LLM(seed=0)`): independent
+draws, reproducible for the same job.
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
@@ -52,6 +56,7 @@ def run_case(case: dict) -> dict:
     messages, prompts = case.get("messages"), case.get("prompts")
     seeds = case.get("seeds") or [None]
     requests = [(i, seed) for i in range(len(messages if messages is not None else prompts)) for seed in seeds]
+    # (prompt, seed): the seed only numbers the repeat (see the module docstring)
     count = len(requests)
     t0 = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
@@ -69,8 +74,8 @@ def run_case(case: dict) -> dict:
 
     def decode(indices: list[int], max_tokens: int) -> list:
         """Requests `indices` (into `requests`)."""
-        params = [SamplingParams(temperature=case.get("temperature") or 0.0, seed=requests[r][1],
-                                 max_tokens=max_tokens, detokenize=False) for r in indices]
+        params = [SamplingParams(temperature=case.get("temperature") or 0.0, max_tokens=max_tokens,
+                                 detokenize=False) for _ in indices]
         chosen = [requests[r][0] for r in indices]
         if messages is not None:
             return llm.chat([messages[i] for i in chosen], params, use_tqdm=False,

@@ -93,15 +93,15 @@ def test_the_check_on_a_trained_run(engine_cases, engine_work):
 
 
 def test_sampled_at_temperature_1_as_dflash_and_lossless_in_distribution(engine_cases, engine_work):
-    """bench/engine_sampled.py on the Llama kind's run: 6 prompts x 50 seeds sampled at
-    temperature 1 on both sides; vLLM's mean tau per request within the 99% interval of
+    """bench/engine_sampled.py on the Llama kind's run: 6 prompts x 20 seeds sampled at
+    temperature 1 on both sides, 16 tokens each (small, for CI: the bench's default is 50 seeds); vLLM's mean tau per request within the 99% interval of
     dflash's, and the first 2 tokens of vLLM with the drafter, and of dflash, homogeneous with
     vLLM's target alone (chi-square, level 1e-3). One engine process for both engines."""
     from bench.engine_sampled import format_report as format_sampled, run_sampled_check
 
     result = run_sampled_check(engine_work, require_engine_venv(), family="llama-bf16-b4", temperature=1.0,
-                               num_seeds=50, max_new_tokens=24)
+                               num_seeds=20, max_new_tokens=16)
     print(format_sampled(result))
     assert result["failures"] == []
-    assert result["acceptance"]["num_requests"] == [300, 300]
-    assert result["acceptance"]["dflash"] > 1.1  # drafts are accepted: the acceptance check has steps to compare
+    assert all(90 < n <= 120 for n in result["acceptance"]["num_requests"])  # those with a verify
+    assert result["acceptance"]["dflash"] > 1.02  # some drafts are accepted at T = 1: there are counts to compare
