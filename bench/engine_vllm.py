@@ -7,7 +7,7 @@ JOB: {"cases": [{"name": str, "target": folder, "speculative_config": dict | nul
                  "max_tokens": n, "prompts": [[ids...]...] | null,
                  "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
                  "chat_template": str | null,
-                 "modes": ["batched", "single"]}, ...]}
+                 "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null}, ...]}
 OUT: {"cases": [{"name", "start_s", "resolved": {"rope_theta", "dflash_config"} | null,
                  "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
                  "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
@@ -16,7 +16,13 @@ Prompts are token ids, or conversations that vLLM renders itself (`LLM.chat`: th
 chat template, or `chat_template` when given, with `chat_template_kwargs`, as its OpenAI
 server renders a request): then the ids it rendered come back, to be checked against dflash's.
 Modes: "batched" decodes every prompt in one `generate` call, "single" one prompt at a time
-(the batch-1 speed). Each engine first decodes one untimed warm-up request.
+(the batch-1 speed). Each engine first decodes one untimed warm-up request. Greedy unless
+the case gives a temperature: then every prompt is decoded once per entry of `seeds`, no
+top-k or top-p, and the outputs come prompt-major, seed-minor. The requests are not seeded
+one by one: vLLM's CPU build refuses per-request seeds (its sampler advances a
+torch.Generator by offsets, which only CUDA generators have: "CPU Generator does not use
+offset"), so every request draws from the engine's generator (`LLM(seed=0)`): independent
+draws, reproducible for the same job.
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
@@ -48,7 +54,10 @@ def run_case(case: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     messages, prompts = case.get("messages"), case.get("prompts")
-    count = len(messages if messages is not None else prompts)
+    seeds = case.get("seeds") or [None]
+    requests = [(i, seed) for i in range(len(messages if messages is not None else prompts)) for seed in seeds]
+    # (prompt, seed): the seed only numbers the repeat (see the module docstring)
+    count = len(requests)
     t0 = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
     llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=0,
@@ -64,12 +73,15 @@ def run_case(case: dict) -> dict:
                     "dflash_config": getattr(hf, "dflash_config", None)}
 
     def decode(indices: list[int], max_tokens: int) -> list:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+        """Requests `indices` (into `requests`)."""
+        params = [SamplingParams(temperature=case.get("temperature") or 0.0, max_tokens=max_tokens,
+                                 detokenize=False) for _ in indices]
+        chosen = [requests[r][0] for r in indices]
         if messages is not None:
-            return llm.chat([messages[i] for i in indices], params, use_tqdm=False,
+            return llm.chat([messages[i] for i in chosen], params, use_tqdm=False,
                             chat_template=case.get("chat_template"),
                             chat_template_kwargs=case.get("chat_template_kwargs") or None)
-        return llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in indices], params, use_tqdm=False)
+        return llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chosen], params, use_tqdm=False)
 
     try:
         decode([0], 4)  # warm-up: the first request of an engine pays for allocations

@@ -89,6 +89,10 @@ class DemoConfig:
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
+    out_of_domain_prompts: int = 3
+    """Prompts decoded out of domain, per suite (prompts in the GSM8K and HumanEval formats,
+    written for the demo) and in domain, at temperature 0 and 1, for the summary's out of
+    domain line (demo/out_of_domain.py); 0: none."""
     server: bool = field(default=False, metadata={ONLY_ON: True})
     """Regenerate the replies through a local `transformers serve` and dflash-regenerate
     instead of in-process `dflash-precompute --regenerate`."""
@@ -227,6 +231,14 @@ def run_demo(config: DemoConfig) -> None:
     from dflash.shards.report import format_info
 
     print(format_info(info))
+    unseen = None
+    if config.out_of_domain_prompts:
+        from demo.out_of_domain import format_line, out_of_domain
+
+        print("\n== out of domain: suite-style prompts beside held-out chitchat, at temperature 0 and 1", flush=True)
+        unseen = out_of_domain(work=work, run_dir=run_dir, target=target, cache=cache, data=data,
+                               suites=["gsm8k", "humaneval"], num_prompts=config.out_of_domain_prompts,
+                               max_new_tokens=config.max_new_tokens)
 
     online = paired["online"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -252,6 +264,8 @@ def run_demo(config: DemoConfig) -> None:
           f"{paired['replay_acceptance_length']:.3f}); lossless: {'yes' if online['lossless'] else 'NO'}")
     print(f"  speed        {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "
           f"tok/s plain greedy ({speedup:.2f}x)")
+    if unseen is not None:
+        print(format_line(unseen))
     print(f"  wall time    {time.monotonic() - started:,.0f} s")
     if not online["lossless"] or after["acceptance_length"] <= before["acceptance_length"]:
         sys.exit("demo FAILED: online decoding was not lossless or training did not raise tau")

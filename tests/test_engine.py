@@ -88,3 +88,24 @@ def test_the_check_on_a_trained_run(engine_cases, engine_work, engine_venv):
     assert row["vllm"] == row["dflash"] and row["dflash"]["acceptance_length"] > 1.3
     assert set(result["vllm_target_alone_tokens_per_s"]) == {"single", "batched"}
     assert row["vllm_single_tokens_per_s"] > 0 and row["vllm_batched_tokens_per_s"] > 0
+
+
+def test_sampled_at_temperature_1_dflash_matches_vllms_target_alone(engine_cases, engine_work, engine_venv):
+    """bench/engine_sampled.py on the Llama kind's run: 6 prompts x 20 seeds sampled at
+    temperature 1 on both sides, 16 tokens each (small, for CI: the bench's default is 50
+    seeds): dflash's speculative samples at positions 1-3 are homogeneous with vLLM's target
+    alone, an independent sampler of the same target (chi-square, level 1e-3 over the 3
+    positions). The same check on vLLM with the drafter fails on vLLM 0.32's CPU build (its
+    tokens after the first differ from its target alone's, and it accepts fewer drafts than the
+    rule predicts: bench/RESULTS.md "engine_check"); the report prints it, and it is not asserted
+    here, since it is vLLM's behaviour. One engine process for both engines."""
+    from bench.engine_sampled import ALPHA, POSITIONS, format_report as format_sampled, run_sampled_check
+
+    result = run_sampled_check(engine_work, engine_venv, family="llama-bf16-b4", temperature=1.0,
+                               num_seeds=20, max_new_tokens=16)
+    print(format_sampled(result))
+    assert not any("engine failed" in failure or "rendered" in failure for failure in result["failures"])
+    # dflash's speculative samples against an independent sampler of the same target: vLLM's alone.
+    assert result["lossless_dflash"]["p_min"] >= ALPHA / len(POSITIONS), result["lossless_dflash"]
+    assert all(90 < n <= 120 for n in result["acceptance"]["num_requests"])  # those with a verify
+    assert result["acceptance"]["dflash"] > 1.02  # some drafts are accepted at T = 1: there are counts to compare

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
-from dflash.testing.builders import char_chat_target, char_tokenizer, tiny_fit_config
+from dflash.testing.builders import char_chat_target, char_tokenizer, tiny_fit_config, write_jsonl
 from dflash.train.acceptance import evaluate_offline
 from dflash.train.cli import main
 from dflash.train.data import held_out_mask
@@ -195,6 +195,42 @@ def test_online_eval_is_lossless_beside_offline(chat_setup):
     assert "online   tau" in result.output and "lossless yes" in result.output
 
 
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_online_eval_decodes_suites_by_name(chat_setup, tmp_path, temperature):
+    """Local copies of two suites in their hub columns; the report has one column per suite,
+    and RUN/eval/<checkpoint>.json keeps each (suite, temperature, seed)."""
+    root, prompts, run = chat_setup
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": q} for q in ["what is 2+2", "and 3+3", "why"]])
+    mt_bench = write_jsonl(tmp_path / "mt.jsonl", [{"prompt": ["hello", "tell me a story"]}])
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--target", str(root / "target"),
+        "--prompts", f"gsm8k={gsm8k},mt-bench={mt_bench}", "--limit", "2", "--max-new-tokens", "10",
+        "--temperature", temperature, "--seed", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = last_json(result.output)
+    suites = {e["suite"]: e for e in figures["suites"]}
+    assert (suites["gsm8k"]["num_prompts"], suites["mt-bench"]["num_prompts"]) == (2, 1)
+    assert suites["mt-bench"]["num_turns"] == 2 and suites["gsm8k"]["num_turns"] == 2
+    sampled = temperature != "0"
+    assert all(e["lossless"] is (None if sampled else True) and e["temperature"] == float(temperature)
+               for e in suites.values())
+    assert all(1.0 <= e["acceptance_length"] <= 4.0 and len(e["per_position_acceptance"]) == 3
+               for e in suites.values())
+    header = next(line for line in result.output.splitlines() if "gsm8k" in line and "mt-bench" in line)
+    assert header.split() == ["gsm8k", "mt-bench"]
+    assert "tau, mean over turns" in result.output and "accepted through 3" in result.output
+    saved = json.loads(Path(figures["saved_to"]).read_text())["suites"]
+    assert all(any(s == e for s in saved) for e in figures["suites"])
+
+
+def test_online_eval_refuses_a_cache_with_suites(chat_setup):
+    root, prompts, run = chat_setup
+    result = CliRunner().invoke(main, [
+        "eval", "--online", "--run", str(run), "--cache", str(root / "cache"), "--target", str(root / "target"),
+        "--prompts", "gsm8k"])
+    assert result.exit_code == 1 and result.output.startswith("Error: ") and "drop --cache" in result.output
+
+
 @pytest.mark.parametrize("block_size", ["2", "16"])
 def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
     root, prompts, run = chat_setup
@@ -205,3 +241,22 @@ def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
     figures = last_json(result.output)
     assert "acceptance_length" not in figures
     assert figures["online"]["num_prompts"] == 3 and figures["online"]["lossless"] is True
+
+
+def test_the_demos_out_of_domain_line(chat_setup, tmp_path):
+    """demo/out_of_domain.py on a tiny run: in domain and suite-style prompts at T = 0 and 1."""
+    from demo.out_of_domain import format_line, format_table, out_of_domain
+
+    root, prompts, run = chat_setup
+    result = out_of_domain(work=tmp_path, run_dir=run, target=root / "target", cache=root / "cache", data=prompts,
+                           suites=["gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=8, seeds=(0, 1))
+    assert [(r["temperature"], r["seed"]) for r in result["runs"]] == [(0.0, None), (1.0, 0), (1.0, 1)]
+    greedy, sampled = result["runs"][0], result["runs"][1]
+    assert greedy["in_domain"]["lossless"] is True and sampled["in_domain"]["lossless"] is None
+    assert [e["suite"] for e in sampled["suites"]] == ["gsm8k", "mt-bench"]
+    assert greedy["suites"][1]["num_turns"] == 4 and greedy["in_domain"]["num_prompts"] == 2
+    line, table = format_line(result), format_table(result)
+    assert "T=0: in domain" in line and "T=1: in domain" in line and "gsm8k-style" in line
+    assert table.splitlines()[0] == "| prompts | T = 0 | T = 1 (2 seeds) |" and len(table.splitlines()) == 5
+    assert " +- " in table.splitlines()[2]
+    print(line, table, sep="\n")

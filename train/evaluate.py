@@ -15,6 +15,8 @@ puts the results together:
   run's target;
 - online with a cache (`sources_in_file`), the prompt records behind exactly the evaluated
   sequences, so offline and online figures stand side by side on the same conversations;
+  or, `--prompts NAME`, benchmark suites (train/suites.py), each decoded and reported apart
+  (`result["suites"]`, a table with the suites as columns);
 - the target (`load_target`): a Hugging Face folder whose sizes match the drafter's, with its
   stop tokens.
 
@@ -41,16 +43,17 @@ import torch
 from dflash.shards.commands import DflashCommand
 from dflash.shards.files import write_json_atomic
 from dflash.shards.fingerprint import target_fingerprint
-from dflash.shards.options import EXISTS, ONLY_ON, PATH, check_choices, config_options, given
+from dflash.shards.options import METAVAR, ONLY_ON, PATH, check_choices, config_options, given
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features
 from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
 from dflash.train.loading import load_drafter
 from dflash.train.model import DFlashDrafter, TargetHead
-from dflash.train.online import evaluate_online, load_prompts
+from dflash.train.online import ChatRenderer, evaluate_online, load_prompts, suite_prompts
 from dflash.train.run_folder import eval_results_path
 from dflash.train.speculative import DrafterProposer
+from dflash.train.suites import load_suite, suite_specs
 
 
 @dataclass(kw_only=True)
@@ -73,11 +76,14 @@ class EvalConfig:
     """Run real speculative decoding against the target."""
     target: str | None = field(default=None, metadata={PATH: "dir"})
     """Online: the target's Hugging Face folder."""
-    prompts: str | None = field(default=None, metadata={PATH: "file", EXISTS: True})
+    prompts: str | None = field(default=None, metadata={METAVAR: "FILE|SUITES"})
     """Online: a records file as stage one reads it (JSONL, .jsonl.zst, JSON, Parquet); each
     record's conversation up to its last user turn is a prompt.
     With --cache, only the records behind that cache's evaluated sequences are used, and the
-    offline figures are computed on exactly those sequences (side by side)."""
+    offline figures are computed on exactly those sequences (side by side).
+    Or benchmark suites by name, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench
+    (loaded from the Hugging Face hub, in z-lab's prompt formats), each NAME=PATH for a local
+    copy (JSONL, JSON, Parquet, or a datasets save_to_disk folder in the suite's columns)."""
     max_new_tokens: int = 256
     """Online: tokens generated per prompt at most."""
     block_size: int | None = None
@@ -89,6 +95,13 @@ class EvalConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Online target (and drafter) dtype: auto (float32 on cpu, bfloat16 on cuda), float32 or
     bfloat16. float32 makes the lossless check meaningful to the last bit; see speculative.py."""
+    temperature: float = 0.0
+    """Online: sampling temperature; 0 decodes greedily (checked token for token against the
+    target's greedy output), > 0 samples: the target draws at every position and drafts are
+    accepted while they equal its draws (lossless in distribution)."""
+    seed: int = 0
+    """Online, temperature > 0: the sampling seed (each prompt and turn draws from its own
+    generator, seeded from it)."""
     chat_template_kwargs: str | None = None
     """Online: JSON object for the chat template; unset: the cache's (a different one warns)."""
     chat_template: str | None = field(default=None, metadata={PATH: "file"})
@@ -112,6 +125,11 @@ class EvalConfig:
             raise ValueError(f"--block-size must be >= 2 (1 online: plain decoding), got {self.block_size}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.online and suite_specs(self.prompts) is not None and self.cache is not None:  # names checked here
+            raise ValueError("--cache pairs offline figures with the records file the cache was built from; "
+                             "a suite has none: drop --cache")
 
 
 def held_out_selection(fit_config: dict[str, Any], cache_path: str | Path | None,
@@ -261,9 +279,18 @@ def _select(config: EvalConfig, loaded) -> tuple[list[tuple[Any, list[int]]], se
     return selection, keep
 
 
+def _run_cache(loaded) -> Any | None:
+    """The run's first cache, for its chat-template settings (None: no run, or not here)."""
+    from dflash.shards import open_cache
+
+    paths = (loaded.fit_config or {}).get("cache") or []
+    return open_cache(paths[0]) if paths and Path(paths[0]).is_dir() else None
+
+
 def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Evaluate as `config` says; returns the figures (offline keys at top level, online ones
-    under "online") and saves them to RUN/eval/<checkpoint>.json when asked."""
+    under "online", or per suite under "suites") and saves them to RUN/eval/<checkpoint>.json
+    when asked."""
     from tqdm import tqdm
 
     device = _device(config.device)
@@ -307,32 +334,46 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
         target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
         from dflash.train.chat_template import resolve_template_settings
 
+        specs = suite_specs(config.prompts)
+        template_cache = selection[0][0] if selection else _run_cache(loaded) if specs is not None else None
         template_kwargs, template_text = resolve_template_settings(
-            selection[0][0] if selection else None, config.chat_template_kwargs, config.chat_template)
-        prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
-                                         limit=None if keep is not None else config.limit,
-                                         chat_template=template_text, chat_template_kwargs=template_kwargs)
-        if not prompts:
-            shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
-            raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"
-                             + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
+            template_cache, config.chat_template_kwargs, config.chat_template)
+        renderer = ChatRenderer(tokenizer, template_text, template_kwargs)
         head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                           lm_head=target.get_output_embeddings().weight.detach())
         proposer = DrafterProposer(match_features(drafter, None, fit_caches).to(dtype), head)
-        bar = tqdm(total=len(prompts), desc="online", unit="prompt", disable=not show_progress)
 
-        def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:
-            bar.update(1)
-            bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
+        def decode(prompts, desc: str) -> dict[str, Any]:
+            bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not show_progress)
 
-        online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
-                                 block_size=block_size, layer_ids=drafter.config.target_layer_ids,
-                                 stop_token_ids=stop, progress=online_progress)
-        bar.close()
-        online.update(rejected=rejected, stop_token_ids=sorted(stop), device=str(device),
-                      dtype=str(dtype).removeprefix("torch."), target=str(config.target),
-                      prompts=str(config.prompts), chat_template_kwargs=template_kwargs)
-        result["online"] = online
+            def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:
+                bar.update(1)
+                bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
+
+            online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
+                                     block_size=block_size, layer_ids=drafter.config.target_layer_ids,
+                                     stop_token_ids=stop, progress=online_progress, temperature=config.temperature,
+                                     seed=config.seed, renderer=renderer)
+            bar.close()
+            online.update(stop_token_ids=sorted(stop), device=str(device), dtype=str(dtype).removeprefix("torch."),
+                          target=str(config.target), chat_template_kwargs=template_kwargs)
+            return online
+
+        if specs is None:
+            prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
+                                             limit=None if keep is not None else config.limit,
+                                             chat_template=template_text, chat_template_kwargs=template_kwargs)
+            if not prompts:
+                shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
+                raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"
+                                 + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
+            result["online"] = {**decode(prompts, "online"), "rejected": rejected, "prompts": str(config.prompts)}
+        else:
+            result["suites"] = []
+            for name, path in specs:
+                items = load_suite(name, path, limit=config.limit)
+                result["suites"].append({"suite": name, "prompts": str(path or name), "rejected": [],
+                                         **decode(suite_prompts(items, renderer), name)})
 
     result["warnings"] = [w for w in dict.fromkeys(warnings) if w is not None]
     if config.save and config.run is not None:
@@ -342,9 +383,12 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
 
 def _save_result(path: Path, result: dict[str, Any]) -> Path:
     """Merge `result` into RUN/eval/<checkpoint>.json: an offline-only call keeps the
-    checkpoint's earlier online figures."""
+    checkpoint's earlier online figures, and suites merge by (suite, temperature, seed)."""
     saved = json.loads(path.read_text()) if path.is_file() else {}
+    suites = {(e["suite"], e["temperature"], e["seed"]): e for e in saved.get("suites", []) + result.get("suites", [])}
     saved.update(result)
+    if suites:
+        saved["suites"] = list(suites.values())
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, saved, indent=1, sort_keys=False)
     return path
@@ -372,13 +416,11 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [f"warning: {warning}" for warning in result.get("warnings", [])]
     online = result.get("online")
     if online:
-        status = "yes" if online["lossless"] else f"NO ({len(online['mismatches'])} prompts differ)"
-        lines.append(
-            f"online   tau {online['acceptance_length'] or 0:.3f} over {online['num_verifications']} verifications, "
-            f"{online['num_prompts']} prompts, lossless {status}")
+        lines.append(_online_line(online))
         lines.append(
             f"         {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "
-            f"tok/s greedy ({online['speedup']:.2f}x, {online['device']} {online['dtype']})")
+            f"tok/s {'greedy' if online['lossless'] is not None else 'plain sampling'} ({online['speedup']:.2f}x, "
+            f"{online['device']} {online['dtype']})")
         for mismatch in online["mismatches"]:
             lines.append(f"         mismatch {mismatch['file']}:{mismatch['index']} at token {mismatch['position']}: "
                          f"target {mismatch['reference_token']} (margin {mismatch['reference_margin']}), "
@@ -386,6 +428,48 @@ def format_report(result: dict[str, Any]) -> str:
         if online["rejected"]:
             lines.append(f"         {len(online['rejected'])} prompt records skipped "
                          f"(first: line {online['rejected'][0]['index'] + 1}: {online['rejected'][0]['reason']})")
+    if result.get("suites"):
+        lines.append(format_suites(result["suites"]))
+    return "\n".join(lines)
+
+
+def _online_line(online: dict[str, Any]) -> str:
+    """The online figure's first line: tau, how many verifies and prompts, and lossless."""
+    if online["lossless"] is None:
+        status = f"in distribution (sampled at temperature {online['temperature']:g}, seed {online['seed']})"
+    else:
+        status = "yes" if online["lossless"] else f"NO ({len(online['mismatches'])} prompts differ)"
+    return (f"online   tau {online['acceptance_length'] or 0:.3f} over {online['num_verifications']} verifications, "
+            f"{online['num_prompts']} prompts, lossless {status}")
+
+
+def format_suites(entries: list[dict[str, Any]]) -> str:
+    """Benchmark suites as the papers print them: one column per suite, tau and the
+    per-position acceptance in rows, then speed."""
+    width = max(10, *(len(e["suite"]) + 2 for e in entries))
+    temperatures = sorted({e["temperature"] for e in entries})
+    lines = ["suites   " + ", ".join(f"temperature {t:g}" for t in temperatures)
+             + f", block {entries[0]['block_size']}, at most {entries[0]['max_new_tokens']} new tokens per turn",
+             f"{'':24s}" + "".join(f"{e['suite']:>{width}s}" for e in entries)]
+
+    def row(label: str, values: list[str]) -> str:
+        return f"{label:24s}" + "".join(f"{v:>{width}s}" for v in values)
+
+    lines.append(row("tau", [f"{e['acceptance_length'] or 0:.3f}" for e in entries]))
+    lines.append(row("tau, mean over turns", [f"{e['mean_turn_acceptance_length'] or 0:.3f}" for e in entries]))
+    for k in range(1, max(len(e["per_position_acceptance"]) for e in entries) + 1):
+        lines.append(row(f"accepted through {k}", [
+            "-" if k > len(e["per_position_acceptance"]) or e["per_position_acceptance"][k - 1] is None
+            else f"{e['per_position_acceptance'][k - 1]:.3f}" for e in entries]))
+    lines.append(row("tok/s speculative", [f"{e['tokens_per_s'] or 0:.1f}" for e in entries]))
+    lines.append(row("tok/s plain", [f"{e['baseline_tokens_per_s'] or 0:.1f}" for e in entries]))
+    lines.append(row("speedup", [f"{e['speedup'] or 0:.2f}x" for e in entries]))
+    lines.append(row("prompts (turns)", [f"{e['num_prompts']} ({e['num_turns']})" for e in entries]))
+    lines.append(row("lossless", ["sampled" if e["lossless"] is None else "yes" if e["lossless"] else "NO"
+                                  for e in entries]))
+    for e in entries:
+        lines += [f"         {e['suite']}: mismatch at {m['index']}" + (f" turn {m['turn']}" if "turn" in m else "")
+                  + f" token {m['position']}" for m in e["mismatches"]]
     return "\n".join(lines)
 
 
@@ -401,7 +485,9 @@ def eval_command(as_json: bool, **options: Any) -> None:
     k scored against the cached top-1 at a+k-1; "replayed" follows greedy decoding along
     each sequence's last reply and equals the online tau when the cache was made with
     --regenerate at temperature 0. Online: real greedy speculative decoding, checked token
-    for token against the target's own greedy output (lossless).
+    for token against the target's own greedy output (lossless); --temperature T > 0 samples
+    (lossless in distribution). --prompts gsm8k,mt-bench decodes benchmark suites in z-lab's
+    prompt formats, one column each in the report (train/README.md lists the suites).
     """
     result = run_eval(EvalConfig(**given(options)))  # a ValueError is a one-line error (DflashCommand)
     click.echo(format_report(result))

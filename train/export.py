@@ -296,11 +296,16 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
                      f"{evaluation.get('num_replay_verifications')} verifications |")
     online = evaluation.get("online")
     if online and online.get("acceptance_length") is not None:
-        lines.append(f"| online, greedy speculative decoding | {online['acceptance_length']:.3f} | "
+        how = f"sampled at temperature {online['temperature']:g}" if online.get("temperature") else "greedy"
+        lines.append(f"| online, {how} speculative decoding | {online['acceptance_length']:.3f} | "
                      f"{online.get('num_prompts')} prompts, lossless: {online.get('lossless')}, "
                      f"{online.get('tokens_per_s') or 0:.1f} tok/s against "
-                     f"{online.get('baseline_tokens_per_s') or 0:.1f} tok/s plain greedy "
+                     f"{online.get('baseline_tokens_per_s') or 0:.1f} tok/s plain {how.split(' at ')[0]} "
                      f"({online.get('device', '?')}) |")
+    for suite in evaluation.get("suites", []):
+        how = f"temperature {suite['temperature']:g}" if suite["temperature"] else "greedy"
+        lines.append(f"| online, {suite['suite']} ({how}) | {suite['acceptance_length'] or 0:.3f} | "
+                     f"{suite['num_prompts']} prompts, {suite['num_turns']} turns |")
     lines += ["", f"Block size {evaluation.get('block_size')}; tau counts the target's bonus token."]
     return lines
 

@@ -1,5 +1,6 @@
-"""Online acceptance: real greedy speculative decoding against the Hugging Face target, batch
-1, for `dflash-train eval --online` (the decoding itself is `dflash.train.speculative`).
+"""Online acceptance: real speculative decoding against the Hugging Face target, batch 1, for
+`dflash-train eval --online` (the decoding itself is `dflash.train.speculative`): greedy by
+default, sampled at `temperature` > 0.
 
 Prompts are records in the styles stage one reads (`dflash.shards.records`: the same reader,
 so a record's index is the one a cache names as its sequence's source); each record's
@@ -8,7 +9,12 @@ the prompt. Reported: tau (committed tokens per target verify), tokens/s, the ta
 `generate(do_sample=False)` tokens/s timed on the same prompts in the same process, and
 `lossless` (every prompt's output equals the target's greedy output token for token), with
 every mismatch (prompt, first differing position, both tokens and the target's top-1/top-2
-logit margin there).
+logit margin there). Sampled (temperature > 0), each prompt's turn draws from its own
+generator seeded from (seed, prompt, turn); `lossless` is then None: outputs are not compared
+token for token (the rule is lossless in distribution, `speculative.MatchSampler`), and the
+baseline is the target's plain sampling, timed. Prompts of a benchmark suite
+(`dflash.train.suites`, `suite_prompts`) may have further user turns (MT-Bench): each is
+asked after the speculative decoding's own reply to the turn before.
 
 What this file trades off: the baseline runs in the same process, alternating with the
 speculative run prompt by prompt, so the speedup is measured on one machine state (not
@@ -18,7 +24,7 @@ throughput under load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,7 @@ import numpy as np
 import torch
 
 from dflash.shards.records import iter_records, prompt_messages
-from dflash.train.speculative import DecodeResult, Proposer, greedy_generate, speculative_generate
+from dflash.train.speculative import DecodeResult, MatchSampler, Proposer, greedy_generate, speculative_generate
 
 
 @dataclass
@@ -36,6 +42,42 @@ class Prompt:
     source: dict[str, Any]
     """{"file", "index"}: the prompts file and the record's 0-based line (as stage one names it)."""
     token_ids: list[int]
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """The conversation `token_ids` renders (needed only with `next_turns`)."""
+    next_turns: list[str] = field(default_factory=list)
+    """Further user turns, each asked after the decoded reply to the one before (MT-Bench)."""
+
+
+class ChatRenderer:
+    """Conversations to prompt ids with the target's chat template (or `chat_template`) and its
+    generation prompt, and generated ids back to reply text (special tokens skipped)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
+        if tokenizer.chat_template is None and chat_template is None:
+            raise ValueError("the target's tokenizer has no chat template: online eval renders prompts with it")
+        self.tokenizer = tokenizer
+        self.options = {**({} if chat_template is None else {"chat_template": chat_template}),
+                        **(chat_template_kwargs or {})}
+
+    def ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.options)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def reply(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def suite_prompts(items: list[Any], renderer: ChatRenderer) -> list[Prompt]:
+    """Prompts of a suite's rows (`dflash.train.suites.SuiteItem`): the first user turn rendered,
+    the others kept for after its reply."""
+    prompts = []
+    for item in items:
+        messages = [{"role": "user", "content": item.turns[0]}]
+        prompts.append(Prompt(source=dict(item.source), token_ids=renderer.ids(messages), messages=messages,
+                              next_turns=list(item.turns[1:])))
+    return prompts
 
 
 def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = None,
@@ -46,8 +88,7 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
     keep: only these record indices (None: all). Returns (prompts, rejected), each rejected
     record as {"file", "index", "reason"}.
     """
-    if tokenizer.chat_template is None and chat_template is None:
-        raise ValueError("the target's tokenizer has no chat template: online eval renders prompts with it")
+    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
     prompts, rejected = [], []
     for record in iter_records([path], flag="--prompts"):
         if keep is not None and record.index not in keep:
@@ -58,14 +99,11 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
         try:
             if record.error is not None:
                 raise ValueError(f"{record.error} on line {record.index + 1}")
-            template = {} if chat_template is None else {"chat_template": chat_template}
-            text = tokenizer.apply_chat_template(prompt_messages(record.data), tokenize=False,
-                                                 add_generation_prompt=True, **template,
-                                                 **(chat_template_kwargs or {}))
+            token_ids = renderer.ids(prompt_messages(record.data))
         except ValueError as e:
             rejected.append({**source, "reason": str(e)})
             continue
-        prompts.append(Prompt(source=source, token_ids=tokenizer(text, add_special_tokens=False)["input_ids"]))
+        prompts.append(Prompt(source=source, token_ids=token_ids))
     return prompts, rejected
 
 
@@ -88,6 +126,23 @@ def first_mismatch(reference: DecodeResult, output: DecodeResult) -> dict[str, A
     }
 
 
+def turn_seed(seed: int, prompt: int, turn: int) -> int:
+    """The sampling seed of one prompt's turn: a hash of (seed, prompt, turn), so that seeds
+    of different runs, prompts and turns never coincide."""
+    return int(np.random.SeedSequence([seed, prompt, turn]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def per_position_acceptance(acceptance_lengths: list[int], drafted: list[int], block_size: int) -> list[float | None]:
+    """[B-1]: per block position k, the share of the verifies that drafted k whose drafts 1..k
+    were all accepted (None where no verify drafted k)."""
+    accepted, drafted_ = np.asarray(acceptance_lengths) - 1, np.asarray(drafted)
+    shares = []
+    for k in range(1, block_size):
+        checked = drafted_ >= k
+        shares.append(round(float((accepted[checked] >= k).mean()), 6) if checked.any() else None)
+    return shares
+
+
 def evaluate_online(
     target: torch.nn.Module,
     proposer: Proposer,
@@ -99,60 +154,91 @@ def evaluate_online(
     stop_token_ids: set[int],
     warmup: bool = True,
     progress: Any = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    renderer: ChatRenderer | None = None,
 ) -> dict[str, Any]:
-    """Speculative decoding against plain greedy decoding on every prompt.
+    """Speculative decoding against plain decoding of the target on every prompt (and every
+    further turn of a multi-turn prompt, which needs `renderer`).
 
-    Per prompt the target's `generate` runs first (the reference and the baseline timing),
-    then speculative decoding; alternating keeps slow drifts of the machine from favouring
-    one side. With `warmup`, both run once untimed on the first prompt (allocator and kernel
-    warm-up).
+    Per turn the target's `generate` runs first (the reference and the baseline timing), then
+    speculative decoding; alternating keeps slow drifts of the machine from favouring one
+    side. With `warmup`, both run once untimed on the first prompt (allocator and kernel
+    warm-up). temperature 0: greedy, checked token for token; > 0: sampled (module docstring).
     """
     if not prompts:
         raise ValueError("no prompt to decode: give JSONL chat records with a user turn")
     kwargs = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    sampled = temperature > 0
+
+    def sampler(prompt: int, turn: int) -> MatchSampler | None:
+        if not sampled:
+            return None
+        generator = torch.Generator(device=target.device).manual_seed(turn_seed(seed, prompt, turn))
+        return MatchSampler(temperature, generator)
+
     if warmup:
         greedy_generate(target, prompts[0].token_ids, max_new_tokens=min(8, max_new_tokens),
-                        stop_token_ids=stop_token_ids)
+                        stop_token_ids=stop_token_ids, temperature=temperature, seed=seed)
         speculative_generate(target, proposer, prompts[0].token_ids, block_size=block_size,
                              layer_ids=layer_ids, max_new_tokens=min(8, max_new_tokens),
-                             stop_token_ids=stop_token_ids)
+                             stop_token_ids=stop_token_ids, sampler=sampler(0, 0))  # turn 0: no real turn
     taus: list[int] = []
+    drafted: list[int] = []
     spec_tokens = spec_s = base_tokens = base_s = 0.0
     mismatches, per_prompt = [], []
     for i, prompt in enumerate(prompts):
-        reference = greedy_generate(target, prompt.token_ids, **kwargs)
-        output = speculative_generate(target, proposer, prompt.token_ids, block_size=block_size,
-                                      layer_ids=layer_ids, **kwargs)
-        base_tokens += len(reference.tokens)
-        base_s += reference.elapsed_s
-        spec_tokens += len(output.tokens)
-        spec_s += output.elapsed_s
-        taus.extend(output.acceptance_lengths)
-        mismatch = first_mismatch(reference, output)
-        if mismatch is not None:
-            mismatches.append({**prompt.source, **mismatch})
-        per_prompt.append({
-            **prompt.source, "prompt_tokens": len(prompt.token_ids), "new_tokens": len(output.tokens),
-            "acceptance_length": float(np.mean(output.acceptance_lengths)) if output.acceptance_lengths else None,
-            "acceptance_lengths": output.acceptance_lengths,  # per verify: an engine's per-step count meets these
-            "lossless": mismatch is None,
-        })
+        token_ids, messages, later = prompt.token_ids, prompt.messages, list(prompt.next_turns)
+        for turn in range(1, 2 + len(later)):
+            reference = greedy_generate(target, token_ids, temperature=temperature,
+                                        seed=turn_seed(seed, i, turn) if sampled else 0, **kwargs)
+            output = speculative_generate(target, proposer, token_ids, block_size=block_size,
+                                          layer_ids=layer_ids, sampler=sampler(i, turn), **kwargs)
+            base_tokens += len(reference.tokens)
+            base_s += reference.elapsed_s
+            spec_tokens += len(output.tokens)
+            spec_s += output.elapsed_s
+            taus.extend(output.acceptance_lengths)
+            drafted.extend(output.drafted)
+            source = {**prompt.source, **({"turn": turn} if prompt.next_turns else {})}
+            mismatch = None if sampled else first_mismatch(reference, output)
+            if mismatch is not None:
+                mismatches.append({**source, **mismatch})
+            per_prompt.append({
+                **source, "prompt_tokens": len(token_ids), "new_tokens": len(output.tokens),
+                "acceptance_length": float(np.mean(output.acceptance_lengths)) if output.acceptance_lengths else None,
+                "acceptance_lengths": output.acceptance_lengths,  # per verify: an engine's per-step count meets these
+                "lossless": None if sampled else mismatch is None,
+            })
+            if turn > len(later):
+                break
+            messages = [*messages, {"role": "assistant", "content": renderer.reply(output.tokens)},
+                        {"role": "user", "content": later[turn - 1]}]
+            token_ids = renderer.ids(messages)
         if progress is not None:
             progress(i + 1, len(prompts), taus, mismatches)
+    turn_taus = [p["acceptance_length"] for p in per_prompt if p["acceptance_length"] is not None]
     return {
         "acceptance_length": float(np.mean(taus)) if taus else None,
-        "lossless": not mismatches,
+        # z-lab's "Average Acceptance length": the mean over turns of each turn's mean
+        "mean_turn_acceptance_length": float(np.mean(turn_taus)) if turn_taus else None,
+        "per_position_acceptance": per_position_acceptance(taus, drafted, block_size),
+        "lossless": None if sampled else not mismatches,
         "mismatches": mismatches,
         "tokens_per_s": spec_tokens / spec_s if spec_s else None,
         "baseline_tokens_per_s": base_tokens / base_s if base_s else None,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s) if spec_s and base_s else None,
         "num_prompts": len(prompts),
+        "num_turns": len(per_prompt),
         "num_verifications": len(taus),
         "new_tokens": int(spec_tokens),
         "max_new_tokens": max_new_tokens,
         "block_size": block_size,
+        "temperature": temperature,
+        "seed": seed if sampled else None,
         "per_prompt": per_prompt,
     }
 
 
-__all__ = ["Prompt", "evaluate_online", "first_mismatch", "load_prompts"]
+__all__ = ["ChatRenderer", "Prompt", "evaluate_online", "first_mismatch", "load_prompts",
+           "per_position_acceptance", "suite_prompts", "turn_seed"]

@@ -21,6 +21,20 @@ target has produced but not yet consumed):
 Each verify commits `accepted + 1` tokens; the mean of that over verifications is the
 acceptance length tau reported by `dflash-train eval --online` (as z-lab's benchmark does).
 
+Sampling (temperature T > 0, `MatchSampler`): the drafter still drafts greedily; the target
+draws its own token at every block position from softmax(logits / T), and draft k is accepted
+while every draft 1..k equals the target's draw there; the committed tokens are the target's
+draws up to and including the first one that differs (the bonus). Every committed token is
+therefore a draw from the target's own distribution given the committed prefix (the draw at
+position k is independent of the draws before it, which alone decide whether it is used), so
+the output has the distribution of plain sampling from the target: lossless in distribution,
+not token for token. This is z-lab's benchmark rule, and what standard speculative sampling
+(accept draft x with probability min(1, p(x)/q(x)), else draw from norm(max(p - q, 0)))
+reduces to for a drafter whose q is one-hot at its argmax: accept with probability p(x),
+else draw from p without x. vLLM does exactly that for DFlash drafts by default
+(`draft_sample_method="greedy"`: argmax drafts, draft probabilities treated as one-hot), so
+the two agree in distribution, and so do their acceptance rates, though not draw for draw.
+
 The target features are `hidden_states[hidden_state_index(id)]` for the drafter's layer ids,
 concatenated in that order: the definition of `dflash.shards.layers`, which stage one uses
 for the cache. Note that Hugging Face's last `hidden_states` entry is after the final norm;
@@ -185,6 +199,33 @@ class DrafterProposer:
         return self.head.to_target(logits.argmax(-1)).tolist()
 
 
+class MatchSampler:
+    """Sampling at temperature > 0 by the match-the-sample rule (module docstring): one draw
+    from the target per block position, drafts accepted while they equal the draws.
+
+    The draws come from `generator` (on the target's device) alone, so a seeded generator
+    makes a decoding reproducible."""
+
+    def __init__(self, temperature: float, generator: torch.Generator):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        self.temperature, self.generator = temperature, generator
+
+    def sample(self, logits: torch.Tensor) -> list[int]:
+        """[n, V] logits -> n token ids, each drawn from softmax(logits / T) of its row (float32)."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [n, V]
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
+
+    def verify(self, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        """The tokens one verify commits: drafts [size - 1] against the target's logits
+        [size, V] at the block positions; the accepted drafts and the target's draw after them."""
+        draws = self.sample(logits)  # [size]: the target's token after each block position
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == draws[accepted]:
+            accepted += 1
+        return draws[: accepted + 1]
+
+
 @dataclass
 class DecodeResult:
     """One prompt's decoding."""
@@ -195,6 +236,9 @@ class DecodeResult:
     """Per generated token: the target's top-1 minus top-2 logit where it chose that token."""
     acceptance_lengths: list[int] = field(default_factory=list)
     """Per target verify: tokens committed (accepted drafts + 1). Empty for plain greedy."""
+    drafted: list[int] = field(default_factory=list)
+    """Per target verify: drafts it checked (block size - 1, fewer in a last block the token
+    budget shortened)."""
     elapsed_s: float = 0.0
     """Wall time of the whole call, prefill included."""
 
@@ -234,8 +278,10 @@ def speculative_generate(
     block_size: int,
     layer_ids: list[int],
     stop_token_ids: set[int],
+    sampler: MatchSampler | None = None,
 ) -> DecodeResult:
-    """Greedy speculative decoding of one prompt (see the module docstring for the loop).
+    """Speculative decoding of one prompt (see the module docstring for the loop): greedy, or
+    sampled by `sampler` (its `sample` and `verify`) when one is given.
 
     The last verification is shortened so that no more than `max_new_tokens` tokens are
     produced; a stop token ends the output (and is part of it), as in `generate`.
@@ -254,9 +300,10 @@ def speculative_generate(
     proposer.reset()
     proposer.commit(target_features(out.hidden_states, layer_ids)[0])  # [T0, L*H]
     last = out.logits[0, -1:]  # [1, V]
-    tokens = last.argmax(-1).tolist()
+    tokens = last.argmax(-1).tolist() if sampler is None else sampler.sample(last)
     margins = _top2_margin(last).tolist()
     acceptance: list[int] = []
+    drafted: list[int] = []
     while tokens[-1] not in stop_token_ids and len(tokens) < max_new_tokens:
         start = len(prompt_ids) + len(tokens) - 1  # position of the anchor, not yet consumed
         size = min(block_size, max_new_tokens - len(tokens))  # commits at most `size` tokens
@@ -267,11 +314,15 @@ def speculative_generate(
             **{cache_arg: kv}, use_cache=True, output_hidden_states=True,
         )
         logits = out.logits[0]  # [size, V]
-        choice = logits.argmax(-1).tolist()  # target's greedy token after each block position
-        accepted = 0
-        while accepted < size - 1 and block[accepted + 1] == choice[accepted]:
-            accepted += 1
-        new = choice[: accepted + 1]  # accepted drafts (equal to the target's) + bonus
+        if sampler is None:
+            choice = logits.argmax(-1).tolist()  # target's greedy token after each block position
+            accepted = 0
+            while accepted < size - 1 and block[accepted + 1] == choice[accepted]:
+                accepted += 1
+            new = choice[: accepted + 1]  # accepted drafts (equal to the target's) + bonus
+        else:
+            new = sampler.verify(block[1:], logits)
+            accepted = len(new) - 1
         new_margins = _top2_margin(logits[: accepted + 1]).tolist()
         for i, token in enumerate(new):
             tokens.append(token)
@@ -279,11 +330,20 @@ def speculative_generate(
             if token in stop_token_ids:
                 break
         acceptance.append(accepted + 1)
+        drafted.append(size - 1)
         _crop(kv, start + accepted + 1)
         proposer.commit(target_features(out.hidden_states, layer_ids)[0, : accepted + 1])  # [a+1, L*H]
     _sync(device)
-    return DecodeResult(tokens=tokens, margins=margins, acceptance_lengths=acceptance,
+    return DecodeResult(tokens=tokens, margins=margins, acceptance_lengths=acceptance, drafted=drafted,
                         elapsed_s=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's global generators seeded with `seed` inside the block, restored after it."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 @_decoding
@@ -293,20 +353,25 @@ def greedy_generate(
     *,
     max_new_tokens: int,
     stop_token_ids: set[int],
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> DecodeResult:
-    """The target's own greedy output through `generate(do_sample=False)`, timed.
+    """The target's own greedy output through `generate(do_sample=False)`, timed; with
+    `temperature` > 0, its plain sampling (`do_sample=True`, no top-k or top-p) from torch's
+    generator seeded with `seed` (forked: the caller's random state is left as it was).
 
     The target's `generation_config` is swapped for a bare one during the call: `generate`
     merges a model's saved defaults (repetition penalty, forced tokens, ...) into any config
-    it is given, and speculative decoding reproduces plain argmax decoding only.
+    it is given, and speculative decoding reproduces plain decoding only.
     """
     from transformers import GenerationConfig
 
     device = target.device
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
     stops = sorted(stop_token_ids)
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     bare = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0, max_new_tokens=max_new_tokens, **sampling,
         eos_token_id=stops or None,
         pad_token_id=stops[0] if stops else 0,
         output_scores=True, return_dict_in_generate=True,
@@ -316,7 +381,7 @@ def greedy_generate(
     try:
         _sync(device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), _seeded(seed, device) if temperature > 0 else contextlib.nullcontext():
             out = target.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=bare)
         _sync(device)
         elapsed = time.perf_counter() - t0
@@ -330,6 +395,7 @@ def greedy_generate(
 __all__ = [
     "DecodeResult",
     "DrafterProposer",
+    "MatchSampler",
     "Proposer",
     "greedy_generate",
     "speculative_generate",
