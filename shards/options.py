@@ -228,6 +228,8 @@ def help_text(info: FieldInfo) -> str:
         shown = info.none_word
     elif isinstance(default, bool):
         shown = "on" if default else "off"
+    elif isinstance(default, list) and info.metadata.get(SEPARATOR):  # as the flag takes it
+        shown = info.metadata[SEPARATOR].join(map(str, default))
     else:
         shown = str(default)
     return f"{info.doc} [{shown}]" if shown else info.doc

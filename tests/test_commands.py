@@ -20,12 +20,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+import demo.out_of_domain
 import demo.run
 from dflash.precompute import cli as precompute_cli, regenerate_cli
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.regenerate import RegenerateConfig
 from dflash.shards import cli as shards_cli
-from dflash.shards.options import FLAG, NONE_WORD, field_docs, resumable
+from dflash.shards.options import FLAG, NONE_WORD, SEPARATOR, field_docs, resumable
 from dflash.train import cli as train_cli
 from dflash.train.config import RESUMABLE_CHANGES, FitConfig
 from dflash.train.evaluate import EvalConfig
@@ -42,6 +43,8 @@ COMMANDS: dict[str, tuple[click.Command, list[str], click.Command, type, set[str
        for name, cls in (("info", shards_cli.CacheConfig), ("show", shards_cli.ShowConfig),
                          ("stats", shards_cli.StatsConfig), ("verify", shards_cli.CacheConfig))},
     "python -m demo.run": (demo.run.main, [], demo.run.main, demo.run.DemoConfig, set()),
+    "python -m demo.out_of_domain": (demo.out_of_domain.main, [], demo.out_of_domain.main,
+                                     demo.out_of_domain.OutOfDomainConfig, set()),
 }
 # Parameters that are no config field: the output switch, fit's TOML file, the shared ones.
 NOT_FIELDS = {"as_json", "config_file", "debug", "version", "help"}
@@ -67,6 +70,8 @@ def _expected_help(owner: type, spec: dataclasses.Field) -> str:
     default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
     if default is dataclasses.MISSING or (default is None and NONE_WORD not in spec.metadata):
         return doc
+    if isinstance(default, list) and SEPARATOR in spec.metadata:  # shown as the flag takes it: 0,1,2
+        return f"{doc} [{spec.metadata[SEPARATOR].join(map(str, default))}]"
     shown = (spec.metadata[NONE_WORD] if default is None else ("on" if default else "off")
              if isinstance(default, bool) else str(default))
     return f"{doc} [{shown}]"
@@ -88,7 +93,8 @@ CHOICE_FIELDS = [(name, owner, spec, _choices(hint)) for name, (_, _, _, cls, _)
 
 def test_every_command_is_listed():
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    names = {"python -m demo.run"}
+    names = {f"python -m demo.{path.stem}" for path in (Path(__file__).parents[1] / "demo").glob("*.py")
+             if "__main__" in path.read_text()}
     for script in scripts:
         command = {"dflash-precompute": precompute_cli.main, "dflash-regenerate": regenerate_cli.main,
                    "dflash-train": train_cli.main, "dflash-shards": shards_cli.main}[script]
