@@ -45,7 +45,7 @@ from tests.faults.workspace import CHILD_ENV, COUNTED_NOTES, Outcome, Workspace
 # The order is part of the seeding: trial t of class c draws from default_rng([seed, c, t]).
 CLASSES: dict[str, tuple[Callable, str]] = {
     "precompute-kill": (trial_precompute_kill, "SIGKILL of dflash-precompute, rerun"),
-    "fit-kill": (trial_fit_kill, "SIGKILL of dflash-train fit (random instant or inside a checkpoint write), resume"),
+    "fit-kill": (trial_fit_kill, "SIGKILL of dflash-train fit (random instant, step, snapshot, write, rename), resume"),
     "disk-full": (trial_disk_full, "file-size limit in stage one and in a checkpoint write, rerun"),
     "corruption": (trial_corruption, "truncation, bit flips, footer/manifest damage, missing/foreign shard"),
     "bad-input": (trial_bad_input, "malformed records (JSON, types, roles, empty, huge, UTF-8, surrogates)"),
