@@ -136,6 +136,8 @@ def test_precompute_kill(ws):
     ("model.safetensors", 4), ("optimizer.pt", 6), ("before-fsync", 8), ("before-rename", 10),
     ("after-rename", 12), ("deleting-old", 8),
     ("before-rename", 2),  # no checkpoint survives: a fresh restart
+    ("in-step", 5), ("snapshot", 6),
+    ("before-step-line", 4),  # the write done before the step's line: checkpoint 4 must not survive
 ])
 def test_fit_kill_inside_a_checkpoint_write(ws, point, step):
     kill_point = {"step": step, "point": point, "fraction": 0.5}

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,28 @@ def test_metrics_and_events(cache_dir, tmp_path, capsys):
     assert f"epoch 2/2 (100.0%) step {result.total_steps}/{result.total_steps} loss" in out
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["mask_token_id"] == 62  # no tokenizer: the highest row that is not the eos (63)
+
+
+def test_no_checkpoint_is_on_disk_before_its_step_line(cache_dir, tmp_path, monkeypatch):
+    # On a loaded machine the writer thread can rename checkpoint N before the loop writes
+    # step N's metrics line; a kill then leaves checkpoint N complete and line N missing, and
+    # the resume (from N) never writes it. Here every write is let finish first, the worst case.
+    out = tmp_path / "run"
+    seen = []
+    log_step = fit_module.RunLogger.step
+
+    def step(self, record):
+        for thread in threading.enumerate():
+            if thread.name == f"checkpoint-{record['step']}":
+                thread.join()
+        seen.append((record["step"], (out / "checkpoints" / f"step-{record['step']:08d}").exists()))
+        log_step(self, record)
+
+    monkeypatch.setattr(fit_module.RunLogger, "step", step)
+    result = fit(tiny_config(cache_dir, out))
+    assert [s for s, _ in seen] == list(range(1, result.total_steps + 1))
+    assert [s for s, on_disk in seen if on_disk] == []
+    assert len(list_checkpoints(out)) > 1 and latest_checkpoint(out).name == f"step-{result.total_steps:08d}"
 
 
 def test_held_out_sequences_are_never_trained_on(cache_dir, tmp_path, monkeypatch):

@@ -6,11 +6,13 @@ writer thread. The thread writes `RUN/checkpoints/.step-XXXXXXXX.tmp/` (model.sa
 optimizer.pt, state.json), fsyncs every file and the folder, renames it to `step-XXXXXXXX`
 and fsyncs the parent: a crash at any instant leaves either the previous set of complete
 checkpoints or the new one, never a readable half. Then it deletes all but the newest
-`keep` complete checkpoints. A failure in the thread is raised in the training loop on the
-next `check()` / `save()` / `close()`. A failed file write (a full disk, a file-size limit)
-is reported as an OSError naming the file and the system's cause, which torch.save itself
-hides behind "[enforce fail at inline_container.cc] unexpected pos"; the temporary folder is
-deleted, so nothing partial is left under any name.
+`keep` complete checkpoints. `snapshot` and `start` are the two halves of `save`: fit takes
+the snapshot at the end of a step and starts the write after logging that step, so a kill
+never leaves a checkpoint of a step that RUN/metrics.jsonl lacks. A failure in the thread
+is raised in the training loop on the next `check()` / `save()` / `close()`. A failed file
+write (a full disk, a file-size limit) is reported as an OSError naming the file and the
+system's cause, which torch.save itself hides behind "[enforce fail at inline_container.cc]
+unexpected pos"; the temporary folder is deleted, so nothing partial is left under any name.
 
 Loading reads the weights with safetensors and the optimizer state with
 `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary objects.
@@ -55,6 +57,19 @@ class CheckpointEvent:
     bytes: int
 
 
+@dataclass
+class Snapshot:
+    """A checkpoint in host memory, taken by `CheckpointWriter.snapshot`, not yet written."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    payload: dict
+    """state.json's contents."""
+    snapshot_s: float
+    wait_s: float
+
+
 class CheckpointWriter:
     def __init__(self, run_dir: Path, keep: int):
         if keep < 1:
@@ -86,6 +101,12 @@ class CheckpointWriter:
     def save(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
              state: dict) -> None:
         """Snapshot to host memory now, write in the background. `state` is JSON-able."""
+        self.start(self.snapshot(step, model_state, optimizer_state, state))
+
+    def snapshot(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+                 state: dict) -> Snapshot:
+        """Copy the state into the host buffers (after the previous write, which reads them, has
+        finished); `start` writes the copy. `state` is JSON-able."""
         self.check()
         t0 = time.perf_counter()
         if self._thread is not None:
@@ -99,9 +120,14 @@ class CheckpointWriter:
             torch.cuda.synchronize()
         snapshot_s = time.perf_counter() - t1
         payload = {"version": CHECKPOINT_VERSION, "step": step, **state}
+        return Snapshot(step, model_host, optimizer_host, payload, snapshot_s, wait_s)
+
+    def start(self, snapshot: Snapshot) -> None:
+        """Write `snapshot` (the latest one taken) in the background."""
         self._thread = threading.Thread(
-            target=self._write, name=f"checkpoint-{step}", daemon=True,
-            args=(step, model_host, optimizer_host, payload, snapshot_s, wait_s))
+            target=self._write, name=f"checkpoint-{snapshot.step}", daemon=True,
+            args=(snapshot.step, snapshot.model, snapshot.optimizer, snapshot.payload, snapshot.snapshot_s,
+                  snapshot.wait_s))
         self._thread.start()
 
     def wait(self) -> None:

@@ -6,10 +6,11 @@ KL (or CE) of the labelled block positions through the frozen LM head without fo
 logits, backpropagate; then read the next step's batch (the plan's segments for that step,
 a pure function of epoch and step, copied out of the memory-mapped shards) while the device
 still works through this step's kernels; reduce the figures over ranks, let the spike gate
-decide, step (or skip), log, and every `checkpoint_every` steps hand a host snapshot to the
-background writer. There is nothing running beside the loop except that writer: the
-read-ahead is one batch, done by the loop itself. `data_time_s` is the time a step spent
-reading rows (the next step's; the first step also reads its own).
+decide, step (or skip), every `checkpoint_every` steps take a host snapshot, log, and then
+hand the snapshot to the background writer (after the log line: see `_train`). There is
+nothing running beside the loop except that writer: the read-ahead is one batch, done by
+the loop itself. `data_time_s` is the time a step spent reading rows (the next step's; the
+first step also reads its own).
 
 Distributed: launched by `torchrun`, one process per device; DDP averages gradients (or
 FSDP2 shards the drafter, its gradients and optimizer state: `--parallel`, train/parallel.py). Each
@@ -48,7 +49,7 @@ from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
 from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
 from dflash.train import draft_vocab, parallel
-from dflash.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+from dflash.train.checkpoint import CheckpointWriter, Snapshot, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
 from dflash.train.gating import SpikeGate
@@ -240,8 +241,9 @@ def _train(run: Run) -> None:
         run.gate.record(loss, grad_norm, skipped=reason is not None)
         run.step += 1
         stopping = reason is not None and run.gate.should_stop
+        snapshot = None
         if not stopping and (run.step % config.checkpoint.checkpoint_every == 0 or run.step == run.total_steps):
-            _save_checkpoint(run)  # the host snapshot is part of this step's time; the write is not
+            snapshot = _snapshot_checkpoint(run)  # part of this step's time; the write is not
 
         step_time_s = time.perf_counter() - t_start
         _log_step(run, {
@@ -253,6 +255,10 @@ def _train(run: Run) -> None:
         }, always_print=reason is not None)
         if reason is not None:
             _handle_spike(run, epoch, step_in_epoch, loss, grad_norm, reason, stopping)
+        if snapshot is not None:
+            # Only now, the step's lines written: a checkpoint that a kill leaves complete is of a
+            # step already in metrics.jsonl (the resume redoes the steps after it, not that one).
+            run.writer.start(snapshot)
         every = config.eval.eval_every
         if every and (run.step % every == 0 or run.step == run.total_steps) and run.eval_plan is not None:
             _evaluate(run)
@@ -602,15 +608,23 @@ def _json_float(value: float) -> float | str:
 
 def _save_checkpoint(run: Run) -> None:
     """Hand a host snapshot of the state after `run.step` steps to the background writer."""
+    snapshot = _snapshot_checkpoint(run)
+    if snapshot is not None:
+        run.writer.start(snapshot)
+
+
+def _snapshot_checkpoint(run: Run) -> Snapshot | None:
+    """A host snapshot of the state after `run.step` steps, for `run.writer.start` (None on
+    the ranks that do not write; a collective under FSDP2)."""
     if run.writer is None and run.parallel_kind != "fsdp":
-        return
+        return None
     model_state, optimizer_state = parallel.full_state(run.model, run.optimizer, run.parallel_kind)  # fsdp: collective
     if run.writer is None:
-        return
+        return None
     epoch_index, step_in_epoch = divmod(run.step, run.plan.steps_per_epoch)
-    run.writer.save(run.step, model_state, optimizer_state,
-                    {"gate": run.gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
-                     "config": run.config.to_dict()})
+    return run.writer.snapshot(run.step, model_state, optimizer_state,
+                               {"gate": run.gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
+                                "config": run.config.to_dict()})
 
 
 def _drain_checkpoints(run: Run, wait: bool = False) -> None:

@@ -1,16 +1,21 @@
-"""2. `fit-kill`: SIGKILL of `dflash-train fit` at a random instant, or at a random point
-inside a checkpoint write, then a resume.
+"""2. `fit-kill`: SIGKILL of `dflash-train fit` at a random instant, or at a planned point of
+a step or of a checkpoint, then a resume.
 
-The kill points inside a write: a half-written model.safetensors or optimizer.pt, before
-the fsync, before or after the rename, while deleting old checkpoints. Every checkpoint left
-under a final name, and the final one after the resume, is bitwise equal (weights,
-optimizer state, gate, step) to the uninterrupted run's at that step, and the logged loss
-trace equals it too.
+The planned points, across a step and its checkpoint: inside the step (after its optimizer
+update, before or after the gate's record), inside the host snapshot (after a fraction of
+the tensors are copied), with the background write finished before the step's metrics line
+(the main thread descheduled while the writer runs: "before-step-line"), a half-written
+model.safetensors or optimizer.pt, before the fsync, before or after the rename, while
+deleting old checkpoints. Every checkpoint left under a final name, and the final one after
+the resume, is bitwise equal (weights, optimizer state, gate, step) to the uninterrupted
+run's at that step, and the logged loss trace equals it too (every step once, none missing).
+`python -m tests.faults --load N` runs the trials beside N busy processes.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -33,32 +38,34 @@ from tests.faults.workspace import (
 )
 
 KILL_POINTS = ["model.safetensors", "optimizer.pt", "before-fsync", "before-rename", "after-rename",
-               "deleting-old"]
+               "deleting-old", "in-step", "snapshot", "before-step-line"]
 
 
 def trial_fit_kill(ws: Workspace, rng: np.random.Generator, trial: int,
                    kill_point: dict | None = None) -> list[Outcome]:
-    """SIGKILL dflash-train fit at a random instant or inside a checkpoint write, resume.
+    """SIGKILL dflash-train fit at a random instant or at a planned point, resume.
 
-    kill_point ({"step", "point", "fraction"}, see `install_kill_point`) forces a kill
-    inside that checkpoint write; by default half the trials draw one, half a random instant.
+    kill_point ({"step", "point", "fraction"}, see `install_kill_point`) forces a kill at
+    that point of that step or its checkpoint; by default half the trials draw one, half a
+    random instant.
     """
     reference = ws.fit_reference
     out = ws.trial_dir("fit-kill", trial) / "run"
     every, keep = FIT_OPTIONS["checkpoint_every"], FIT_OPTIONS["keep_checkpoints"]
     if kill_point is not None:
-        outcome = Outcome(case=f"inside checkpoint: {kill_point['point']}")
+        outcome = Outcome(case=_case(kill_point["point"]))
     elif rng.uniform() < 0.5:
         delay_s = float(rng.uniform(0.0, reference.train_s))
         outcome = Outcome(case="random instant")
     else:
         point = str(rng.choice(KILL_POINTS))
-        # Old checkpoints are deleted from the (keep+1)-th one on.
-        first = every * (keep + 1) if point == "deleting-old" else every
-        step = int(rng.choice(np.arange(first, reference.total_steps + 1, every)))
+        # Old checkpoints are deleted from the (keep+1)-th one on; a step can be any.
+        first, stride = (every * (keep + 1), every) if point == "deleting-old" else (
+            (1, 1) if point == "in-step" else (every, every))
+        step = int(rng.choice(np.arange(first, reference.total_steps + 1, stride)))
         kill_point = {"step": step, "point": point, "fraction": float(rng.uniform(0.0, 1.0))}
-        outcome = Outcome(case=f"inside checkpoint: {point}")
-        outcome.notes.append(f"kill inside the write of step {step}")
+        outcome = Outcome(case=_case(point))
+        outcome.notes.append(f"kill at {point} of step {step}")
     watch = FinalNameWatcher(out, lambda rel: check_checkpoint(out, rel.name, reference.run), checkpoints=True)
     with watch:
         prepare = None if kill_point is None else functools.partial(install_kill_point, **kill_point)
@@ -86,24 +93,75 @@ def trial_fit_kill(ws: Workspace, rng: np.random.Generator, trial: int,
     return [outcome]
 
 
-def install_kill_point(step: int, point: str, fraction: float) -> None:
-    """Make this process SIGKILL itself at `point` of the write of checkpoint `step`.
+def _case(point: str) -> str:
+    return "inside a step" if point == "in-step" else f"inside checkpoint: {point}"
 
-    Points: "model.safetensors" / "optimizer.pt" (that file is cut to `fraction` of its size,
+
+def install_kill_point(step: int, point: str, fraction: float) -> None:
+    """Make this process SIGKILL itself at `point` of step `step` or of its checkpoint.
+
+    Points: "in-step" (after the step's optimizer update: before the gate records it when
+    `fraction` < 0.5, after otherwise), "snapshot" (after `fraction` of the host snapshot's
+    tensors are copied), "before-step-line" (the checkpoint's background write is let finish,
+    then the kill, before the step's metrics line: the main thread descheduled while the writer
+    runs, as on a loaded machine), "model.safetensors" / "optimizer.pt" (that file is cut to `fraction` of its size,
     then the kill: a half-written file in the temporary folder), "before-fsync" (every file
     written, none fsynced), "before-rename", "after-rename" (the folder has its final name,
     its parent is not fsynced, old checkpoints not deleted), "deleting-old" (after the first
     old checkpoint is deleted). The hooks sit on the writer's fsync, rename and delete calls;
     a hook that is never reached shows as "the planned kill did not happen".
     """
-    from dflash.train import checkpoint
+    from dflash.train import checkpoint, gating, logging
 
     tmp_name = f".step-{step:08d}.tmp"
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if point in ("model.safetensors", "optimizer.pt", "before-fsync"):
+    if point == "in-step":
+        real_record = gating.SpikeGate.record
+        calls = itertools.count(1)
+
+        def record(self, *args, **kwargs):  # called once per step, after the update
+            call = next(calls)
+            if call == step and fraction < 0.5:
+                die()
+            real_record(self, *args, **kwargs)
+            if call == step:
+                die()
+
+        gating.SpikeGate.record = record
+    elif point == "snapshot":
+        real_snapshot, real_to_host = checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._to_host
+        copies = {"left": None}
+
+        def snapshot(self, at_step, model_state, optimizer_state, state):
+            if at_step == step:
+                num_optimizer = sum(len(entry) for entry in optimizer_state["state"].values())
+                copies["left"] = int(fraction * (len(model_state) + num_optimizer))
+            return real_snapshot(self, at_step, model_state, optimizer_state, state)
+
+        def to_host(self, key, tensor):
+            if copies["left"] is not None:
+                if copies["left"] == 0:
+                    die()
+                copies["left"] -= 1
+            return real_to_host(self, key, tensor)
+
+        checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._to_host = snapshot, to_host
+    elif point == "before-step-line":
+        real_step = logging.RunLogger.step
+
+        def log_step(self, record):
+            if record["step"] == step:
+                for thread in threading.enumerate():
+                    if thread.name == f"checkpoint-{step}":
+                        thread.join()
+                die()
+            real_step(self, record)
+
+        logging.RunLogger.step = log_step
+    elif point in ("model.safetensors", "optimizer.pt", "before-fsync"):
         real_fsync_file = checkpoint._fsync_file
 
         def fsync_file(path):

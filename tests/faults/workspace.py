@@ -586,8 +586,13 @@ def same_final_run(run: Path, reference: FitReference) -> list[str]:
         problems.append(problem)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     expected = [json.loads(line) for line in (reference.run / "metrics.jsonl").read_text().splitlines()]
-    if [(r["step"], r["loss"]) for r in lines] != [(r["step"], r["loss"]) for r in expected]:
-        problems.append("metrics.jsonl's (step, loss) trace differs from the uninterrupted run's")
+    trace, expected_trace = [(r["step"], r["loss"]) for r in lines], [(r["step"], r["loss"]) for r in expected]
+    if trace != expected_trace:
+        steps, expected_steps = [step for step, _ in trace], [step for step, _ in expected_trace]
+        missing = sorted(set(expected_steps) - set(steps))
+        first = next(a for a, b in zip(trace + [None], expected_trace + [None]) if a != b)
+        problems.append("metrics.jsonl's (step, loss) trace differs from the uninterrupted run's: "
+                        + (f"step lines {missing} missing" if missing else f"first at {first}"))
     return problems
 
 
