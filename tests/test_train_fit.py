@@ -7,6 +7,7 @@ thread, so they share one summation order (and a SIGKILLed one cannot take pytes
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,25 @@ def test_no_checkpoint_is_on_disk_before_its_step_line(cache_dir, tmp_path, monk
     assert [s for s, _ in seen] == list(range(1, result.total_steps + 1))
     assert [s for s, on_disk in seen if on_disk] == []
     assert len(list_checkpoints(out)) > 1 and latest_checkpoint(out).name == f"step-{result.total_steps:08d}"
+
+
+@pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2)])
+def test_a_cpu_resume_takes_the_checkpoints_thread_count(cache_dir, tmp_path, written, resumed):
+    # A CPU matrix product's summation order depends on the intra-op thread count: a resume
+    # at another count drifts from the uninterrupted run, so it takes the checkpoint's.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(written)
+        config = tiny_config(cache_dir, tmp_path / "run", max_steps=6)
+        fit(config)
+        shutil.rmtree(latest_checkpoint(config.out))  # as a kill before step 6's checkpoint
+        state = json.loads((latest_checkpoint(config.out) / "state.json").read_text())
+        assert state["step"] == 3 and state["cpu_threads"] == written
+        torch.set_num_threads(resumed)
+        fit(config)
+        assert torch.get_num_threads() == written
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_held_out_sequences_are_never_trained_on(cache_dir, tmp_path, monkeypatch):

@@ -477,6 +477,7 @@ def _resume(resume_from: Path | None, model: DFlashDrafter, gate: SpikeGate, con
         del model_state
         gate.load_state_dict(state["gate"])
         step = int(state["step"])
+        _same_cpu_threads(state, device)
     wrapped = parallel.wrap(model, parallel_kind, device, world_size)  # fsdp: shards model in place
     opt = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
@@ -484,6 +485,18 @@ def _resume(resume_from: Path | None, model: DFlashDrafter, gate: SpikeGate, con
     if optimizer_state is not None:
         parallel.load_optimizer(model, optimizer, optimizer_state, parallel_kind)
     return step, wrapped, optimizer
+
+
+def _same_cpu_threads(state: dict, device: torch.device) -> None:
+    """On a CPU, resume with the intra-op thread count the checkpoint was written with: a CPU
+    matrix product sums in an order that depends on it, so a resume at another count (another
+    machine, OMP_NUM_THREADS, a launcher's default) drifts from the uninterrupted run."""
+    threads = state.get("cpu_threads")
+    if device.type != "cpu" or threads is None or threads == torch.get_num_threads():
+        return
+    print(f"resuming with {threads} CPU threads, as the checkpoint was written (not {torch.get_num_threads()}), "
+          f"so that the run stays bit for bit the uninterrupted one", flush=True)
+    torch.set_num_threads(threads)
 
 
 # -- one step ------------------------------------------------------------------------------
@@ -624,7 +637,7 @@ def _snapshot_checkpoint(run: Run) -> Snapshot | None:
     epoch_index, step_in_epoch = divmod(run.step, run.plan.steps_per_epoch)
     return run.writer.snapshot(run.step, model_state, optimizer_state,
                                {"gate": run.gate.state_dict(), "epoch": epoch_index, "step_in_epoch": step_in_epoch,
-                                "config": run.config.to_dict()})
+                                "config": run.config.to_dict(), "cpu_threads": torch.get_num_threads()})
 
 
 def _drain_checkpoints(run: Run, wait: bool = False) -> None:
