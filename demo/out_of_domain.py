@@ -152,6 +152,13 @@ class OutOfDomainConfig:
     seeds: list[int] = field(default_factory=lambda: [0], metadata={SEPARATOR: ","})
     """Sampling seeds at temperature 1, comma-separated (the table gives mean +- sd over them)."""
 
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
+        unknown = [name for name in self.suites if "=" not in name and name not in DEMO_ROWS]
+        if unknown:
+            raise ValueError(f"--suites {','.join(unknown)}: no prompts written for the demo in that format; "
+                             f"give one of {', '.join(DEMO_ROWS)}, or NAME=PATH for a local copy of the suite")
+
 
 @click.command(cls=DflashCommand)
 @config_options(OutOfDomainConfig)

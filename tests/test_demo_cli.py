@@ -33,3 +33,18 @@ def test_work_dir_defaults_to_the_environment(monkeypatch, tmp_path):
     assert _config(monkeypatch, []).work_dir == tmp_path / "elsewhere"
     monkeypatch.delenv("DFLASH_DEMO_DIR")
     assert _config(monkeypatch, []).work_dir == Path(REPO) / ".demo"
+
+
+def test_out_of_domain_refuses_a_folder_without_a_finished_demo(tmp_path):
+    import demo.out_of_domain
+
+    result = CliRunner().invoke(demo.out_of_domain.main, ["--work-dir", str(tmp_path), "--seeds", "0,1"])
+    assert result.exit_code == 1
+    assert f"{tmp_path}: no finished demo here" in result.output
+
+
+def test_out_of_domain_refuses_a_suite_without_demo_prompts(tmp_path):
+    import demo.out_of_domain
+
+    result = CliRunner().invoke(demo.out_of_domain.main, ["--work-dir", str(tmp_path), "--suites", "mbpp"])
+    assert result.exit_code == 1 and "--suites mbpp: no prompts written for the demo" in result.output
