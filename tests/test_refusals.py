@@ -278,18 +278,18 @@ def test_ctrl_c_says_where_to_resume(synthetic_training_cache, tmp_path, monkeyp
 
     log_step = fit_module._log_step
 
-    def interrupt_at_step_2(run, record, always_print):
+    def interrupt_at_step_3(run, record, always_print):
         log_step(run, record, always_print)
-        if run.step == 2:
+        if run.step == 3:  # after step 3's line, before its checkpoint's write starts
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(fit_module, "_log_step", interrupt_at_step_2)
+    monkeypatch.setattr(fit_module, "_log_step", interrupt_at_step_3)
     config = tiny_fit_config(synthetic_training_cache, tmp_path / "run", anchors_per_seq=6, epochs=1,
-                             max_steps=3, checkpoint_every=1)
+                             max_steps=4, checkpoint_every=1)
     with pytest.raises(KeyboardInterrupt):
         fit_module.fit(config)
     err = capsys.readouterr().err
-    assert "interrupted after step 2" in err and "resume from step-00000002" in err
+    assert "interrupted after step 3" in err and "resume from step-00000002" in err
     assert (tmp_path / "run" / "config.json").exists()  # a run that made steps is kept
     with RunLock(tmp_path / "run"):  # and its lock was released
         pass
