@@ -212,6 +212,24 @@ class MarginProposer:
         return inner.head.to_target(top.indices[:, 0]).tolist()
 
 
+def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, set[int]]:
+    """(drafter, target, its head, stop ids) for dflash's reference decoding of `run`'s newest
+    checkpoint: loaded as `eval --online` loads it (a basis folded for raw features), its
+    weights rounded to the export's `dtype` and computed in float32, beside a float32 target."""
+    from dflash.train.basis import match_features
+    from dflash.train.evaluate import load_target
+    from dflash.train.loading import load_drafter
+    from dflash.train.model import TargetHead
+
+    loaded = load_drafter(run)
+    drafter = match_features(loaded.drafter, None, (loaded.fit_config or {}).get("cache") or [])
+    drafter = drafter.to(getattr(torch, dtype)).float().eval()
+    model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
+    head = TargetHead(embed_tokens=model.get_input_embeddings().weight.detach(),
+                      lm_head=model.get_output_embeddings().weight.detach())
+    return drafter, model, head, stops
+
+
 def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
                      block_size: int, dtype: str = "float32") -> list[dict[str, Any]]:
     """Per prompt: its ids, the target's greedy tokens, dflash's speculative tokens, its
@@ -222,18 +240,9 @@ def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, ma
     computes the export beside a float32 target. From the run, not from the export: an export
     that misstates the drafter (its layer ids, mask token, fc) then makes vLLM differ from
     dflash, instead of misleading both sides alike."""
-    from dflash.train.basis import match_features
-    from dflash.train.evaluate import load_target
-    from dflash.train.loading import load_drafter
-    from dflash.train.model import TargetHead
     from dflash.train.speculative import greedy_generate, speculative_generate
 
-    loaded = load_drafter(run)
-    drafter = match_features(loaded.drafter, None, (loaded.fit_config or {}).get("cache") or [])
-    drafter = drafter.to(getattr(torch, dtype)).float().eval()
-    model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
-    head = TargetHead(embed_tokens=model.get_input_embeddings().weight.detach(),
-                      lm_head=model.get_output_embeddings().weight.detach())
+    drafter, model, head, stops = load_reference(target, run, dtype)
     proposer = MarginProposer(drafter, head)
     out = []
     for ids in prompt_ids:

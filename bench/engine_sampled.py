@@ -59,6 +59,7 @@ from bench.engine_check import (
     engine_case,
     engine_venv,
     load_check_prompts,
+    load_reference,
     run_engine,
     train_run,
 )
@@ -73,19 +74,10 @@ def dflash_sampled(target: Path, run: Path, prompt_ids: list[list[int]], *, seed
                    max_new_tokens: int, block_size: int, dtype: str) -> list[dict[str, Any]]:
     """Per (prompt, seed), prompt-major: dflash's sampled speculative decoding, its tokens and
     per-verify accepted drafts."""
-    from dflash.train.basis import match_features
-    from dflash.train.evaluate import load_target
-    from dflash.train.loading import load_drafter
-    from dflash.train.model import TargetHead
     from dflash.train.online import turn_seed
     from dflash.train.speculative import DrafterProposer, MatchSampler, speculative_generate
 
-    loaded = load_drafter(run)
-    drafter = match_features(loaded.drafter, None, (loaded.fit_config or {}).get("cache") or [])
-    drafter = drafter.to(getattr(torch, dtype)).float().eval()
-    model, _, stops = load_target(target, drafter, device=torch.device("cpu"), dtype=torch.float32)
-    head = TargetHead(embed_tokens=model.get_input_embeddings().weight.detach(),
-                      lm_head=model.get_output_embeddings().weight.detach())
+    drafter, model, head, stops = load_reference(target, run, dtype)
     proposer = DrafterProposer(drafter, head)
     out = []
     for i, ids in enumerate(prompt_ids):
