@@ -89,7 +89,7 @@ class DemoConfig:
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
-    out_of_domain_prompts: int = 3
+    out_of_domain_prompts: int = 2
     """Prompts decoded out of domain, per suite (prompts in the GSM8K and HumanEval formats,
     written for the demo) and in domain, at temperature 0 and 1, for the summary's out of
     domain line (demo/out_of_domain.py); 0: none."""
