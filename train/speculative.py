@@ -260,6 +260,19 @@ def _cache_kwarg(target: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
+def _keep_sliding_past(cache: Any) -> None:
+    """Let the sliding-window layers of `cache` keep their past until `_crop`: without it a
+    sequence past the window cannot drop a verify's rejected positions (transformers raises).
+    Linear-attention (hybrid) layers are left alone: their recurrent state is not rolled back
+    exactly this way, and a loud error beats a silent wrong decoding."""
+    from transformers import cache_utils
+
+    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+    for layer in getattr(cache, "layers", []):
+        if hasattr(layer, "activate_past_recording") and not isinstance(layer, linear):
+            layer.activate_past_recording()
+
+
 def _crop(cache: Any, length: int) -> None:
     """Cut a Hugging Face KV cache back to its first `length` positions."""
     remove = cache.get_seq_length() - length
@@ -295,6 +308,7 @@ def speculative_generate(
     t0 = time.perf_counter()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
     kv = DynamicCache(config=target.config)
+    _keep_sliding_past(kv)
     cache_arg = _cache_kwarg(target)
     out = target(prompt, **{cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     proposer.reset()
