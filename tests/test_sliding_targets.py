@@ -24,6 +24,10 @@ def sliding_target(kind: str):
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config(**common, use_sliding_window=True)).eval()
+    if kind == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM(Gemma2Config(**common)).eval()
     from transformers import GptOssConfig, GptOssForCausalLM
 
     return GptOssForCausalLM(GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1)).eval()
@@ -50,7 +54,7 @@ class HalfRightProposer:
         return drafts
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss", "gemma2"])
 def test_speculative_decoding_is_lossless_past_the_window(kind):
     target = sliding_target(kind)
     greedy = greedy_generate(target, PROMPT, max_new_tokens=24, stop_token_ids=set())
