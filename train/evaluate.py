@@ -291,8 +291,6 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     """Evaluate as `config` says; returns the figures (offline keys at top level, online ones
     under "online", or per suite under "suites") and saves them to RUN/eval/<checkpoint>.json
     when asked."""
-    from tqdm import tqdm
-
     device = _device(config.device)
     loaded = load_drafter(config.run, config.checkpoint, device=device)
     drafter = loaded.drafter.eval()
@@ -310,75 +308,93 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             _check_cache(cache, drafter)
             warnings.append(check_same_target(f"--cache {cache.path}", cache_fingerprint(cache), run_fingerprint,
                                               allow=config.allow_target_mismatch))
-        head = TargetHead.load(selection[0][0].target_dir, device=device, dtype=torch.float32)
-        total = sum(len(indices) for _, indices in selection)
-        bar = tqdm(total=total, desc="offline", unit="seq", disable=not show_progress)
-
-        def progress(totals: OfflineTotals) -> None:
-            bar.update(1)
-            bar.set_postfix(tau=f"{1 + totals.accepted_sum / max(totals.num_anchors, 1):.3f}")
-
-        sequences = (cache[i] for cache, indices in selection for i in indices)
-        result.update(evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress,
-                                       stop_token_ids=cache_stop_token_ids(selection[0][0].target_dir)))
-        bar.close()
-        result["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
-        result["regenerated"] = all(cache.spec.replies[0] for cache, _ in selection)
-        result["generation_temperature"] = selection[0][0].spec.replies[1]
-
+        result.update(_offline(drafter, selection, block_size=block_size, device=device,
+                               show_progress=show_progress))
     if config.online:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
         warnings.append(check_same_target(f"--target {config.target}", target_fingerprint(config.target),
                                           run_fingerprint, allow=config.allow_target_mismatch))
-        target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
-        from dflash.train.chat_template import resolve_template_settings
-
-        specs = suite_specs(config.prompts)
-        template_cache = selection[0][0] if selection else _run_cache(loaded) if specs is not None else None
-        template_kwargs, template_text = resolve_template_settings(
-            template_cache, config.chat_template_kwargs, config.chat_template)
-        renderer = ChatRenderer(tokenizer, template_text, template_kwargs)
-        head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
-                          lm_head=target.get_output_embeddings().weight.detach())
-        proposer = DrafterProposer(match_features(drafter, None, fit_caches).to(dtype), head)
-
-        def decode(prompts, desc: str) -> dict[str, Any]:
-            bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not show_progress)
-
-            def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:
-                bar.update(1)
-                bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
-
-            online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
-                                     block_size=block_size, layer_ids=drafter.config.target_layer_ids,
-                                     stop_token_ids=stop, progress=online_progress, temperature=config.temperature,
-                                     seed=config.seed, renderer=renderer)
-            bar.close()
-            online.update(stop_token_ids=sorted(stop), device=str(device), dtype=str(dtype).removeprefix("torch."),
-                          target=str(config.target), chat_template_kwargs=template_kwargs)
-            return online
-
-        if specs is None:
-            prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
-                                             limit=None if keep is not None else config.limit,
-                                             chat_template=template_text, chat_template_kwargs=template_kwargs)
-            if not prompts:
-                shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
-                raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"
-                                 + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
-            result["online"] = {**decode(prompts, "online"), "rejected": rejected, "prompts": str(config.prompts)}
-        else:
-            result["suites"] = []
-            for name, path in specs:
-                items = load_suite(name, path, limit=config.limit)
-                result["suites"].append({"suite": name, "prompts": str(path or name), "rejected": [],
-                                         **decode(suite_prompts(items, renderer), name)})
+        template_cache = (selection[0][0] if selection
+                          else _run_cache(loaded) if suite_specs(config.prompts) is not None else None)
+        result.update(_online(config, match_features(drafter, None, fit_caches), template_cache, keep,
+                              block_size=block_size, device=device, show_progress=show_progress))
 
     result["warnings"] = [w for w in dict.fromkeys(warnings) if w is not None]
     if config.save and config.run is not None:
         result["saved_to"] = str(_save_result(eval_results_path(Path(config.run), loaded.checkpoint), result))
     return result
+
+
+def _offline(drafter: DFlashDrafter, selection: list, *, block_size: int, device: torch.device,
+             show_progress: bool) -> dict[str, Any]:
+    """The offline figures of the selected (cache, sequence indices), with a progress bar."""
+    from tqdm import tqdm
+
+    head = TargetHead.load(selection[0][0].target_dir, device=device, dtype=torch.float32)
+    bar = tqdm(total=sum(len(indices) for _, indices in selection), desc="offline", unit="seq",
+               disable=not show_progress)
+
+    def progress(totals: OfflineTotals) -> None:
+        bar.update(1)
+        bar.set_postfix(tau=f"{1 + totals.accepted_sum / max(totals.num_anchors, 1):.3f}")
+
+    sequences = (cache[i] for cache, indices in selection for i in indices)
+    figures = evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress,
+                               stop_token_ids=cache_stop_token_ids(selection[0][0].target_dir))
+    bar.close()
+    figures["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
+    figures["regenerated"] = all(cache.spec.replies[0] for cache, _ in selection)
+    figures["generation_temperature"] = selection[0][0].spec.replies[1]
+    return figures
+
+
+def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, keep: Any, *, block_size: int,
+            device: torch.device, show_progress: bool) -> dict[str, Any]:
+    """{"online": figures} for a records file, or {"suites": [figures per suite]}: speculative
+    decoding against the target (`drafter` with raw features, the chat template of
+    `template_cache` unless the config overrides it)."""
+    from tqdm import tqdm
+
+    from dflash.train.chat_template import resolve_template_settings
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
+    template_kwargs, template_text = resolve_template_settings(
+        template_cache, config.chat_template_kwargs, config.chat_template)
+    renderer = ChatRenderer(tokenizer, template_text, template_kwargs)
+    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
+                      lm_head=target.get_output_embeddings().weight.detach())
+    proposer = DrafterProposer(drafter.to(dtype), head)
+
+    def decode(prompts, desc: str) -> dict[str, Any]:
+        bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not show_progress)
+
+        def online_progress(done: int, total: int, taus: list[int], mismatches: list) -> None:
+            bar.update(1)
+            bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
+
+        online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
+                                 block_size=block_size, layer_ids=drafter.config.target_layer_ids,
+                                 stop_token_ids=stop, progress=online_progress, temperature=config.temperature,
+                                 seed=config.seed, renderer=renderer)
+        bar.close()
+        online.update(stop_token_ids=sorted(stop), device=str(device), dtype=str(dtype).removeprefix("torch."),
+                      target=str(config.target), chat_template_kwargs=template_kwargs)
+        return online
+
+    specs = suite_specs(config.prompts)
+    if specs is not None:
+        return {"suites": [{"suite": name, "prompts": str(path or name), "rejected": [],
+                            **decode(suite_prompts(load_suite(name, path, limit=config.limit), renderer), name)}
+                           for name, path in specs]}
+    prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
+                                     limit=None if keep is not None else config.limit,
+                                     chat_template=template_text, chat_template_kwargs=template_kwargs)
+    if not prompts:
+        shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
+        raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"
+                         + (f"; {shown}" if shown else "") + "): give JSONL chat records with a user turn")
+    return {"online": {**decode(prompts, "online"), "rejected": rejected, "prompts": str(config.prompts)}}
 
 
 def _save_result(path: Path, result: dict[str, Any]) -> Path:
