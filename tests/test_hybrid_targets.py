@@ -178,12 +178,13 @@ def hybrid_run(tmp_path_factory):
     return root, prompts
 
 
-def eval_online(root, prompts, target: str):
+def eval_online(root, prompts, target: str, *, offline: bool = True):
     from dflash.train.cli import main
 
     return CliRunner().invoke(main, [
         "eval", "--online", "--run", str(root / "run"), "--target", str(root / target), "--prompts", str(prompts),
-        "--cache", str(root / "cache"), "--max-new-tokens", "12", "--allow-target-mismatch", "--json"])
+        *(["--cache", str(root / "cache")] if offline else []), "--max-new-tokens", "12",
+        "--allow-target-mismatch", "--json"])
 
 
 @pytest.mark.e2e
@@ -205,6 +206,17 @@ def test_eval_online_refuses_a_family_it_cannot_roll_back_and_keeps_the_offline_
     assert result.exit_code != 0
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "cannot be made exact on zaya targets" in errors[0], result.output
+    assert "online   not decoded: refused" in result.output and "online   tau" not in result.output
     saved = json.loads(next((root / "run" / "eval").glob("*.json")).read_text())
     assert saved["num_sequences"] >= 1 and saved["acceptance_length"] >= 1.0  # the offline figures
     assert "zaya" in saved["online_refused"]
+
+
+@pytest.mark.e2e
+def test_eval_online_alone_refuses_in_one_line(hybrid_run):
+    root, prompts = hybrid_run
+    result = eval_online(root, prompts, "zaya", offline=False)
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]  # besides loading bars
+    assert len(errors) == 1 and errors[0].startswith("Error: eval --online --target") and "zaya" in errors[0]
+    assert "online   " not in result.output

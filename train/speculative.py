@@ -80,7 +80,7 @@ import torch.nn.functional as F
 
 from dflash.shards import hidden_state_index
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
-from dflash.train.target_cache import cache_kwarg, record_past, rollback
+from dflash.train.target_cache import cache_kwarg, record_past, rollback, target_family
 
 SMALL_ROWS = 16
 """Up to this many rows, decoding on CPU picks the faster of F.linear and (W @ x.T).T."""
@@ -280,7 +280,7 @@ def speculative_generate(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     device = target.device
-    family = getattr(target.config, "model_type", type(target).__name__)
+    family = target_family(target)
     _sync(device)
     t0 = time.perf_counter()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]

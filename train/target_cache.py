@@ -52,9 +52,9 @@ from typing import Any
 import torch
 
 
-def _family(target_or_config: Any) -> str:
-    config = getattr(target_or_config, "config", target_or_config)
-    return getattr(config, "model_type", None) or type(target_or_config).__name__
+def target_family(target: torch.nn.Module) -> str:
+    """The name refusals give the target's family: its config's model_type."""
+    return getattr(target.config, "model_type", None) or type(target).__name__
 
 
 def _linear_layers(cache: Any) -> list[tuple[int, Any]]:
@@ -137,8 +137,9 @@ def rollback_refusal(target: torch.nn.Module) -> str | None:
         if reason is None:
             cache.crop(-2)
     except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as error:
-        reason = f"its cache cannot be rolled back ({type(error).__name__}: {str(error).splitlines()[0]})"
-    return None if reason is None else refusal_line(_family(target), reason)
+        first = (str(error).splitlines() or [""])[0]
+        reason = f"its cache cannot be rolled back ({type(error).__name__}: {first})"
+    return None if reason is None else refusal_line(target_family(target), reason)
 
 
-__all__ = ["cache_kwarg", "record_past", "refusal_line", "rollback", "rollback_refusal"]
+__all__ = ["cache_kwarg", "record_past", "refusal_line", "rollback", "rollback_refusal", "target_family"]
