@@ -7,7 +7,8 @@ Two references:
 - the same loop run from scratch: every verify is one cache-free forward over the committed
   prefix and the block, so nothing can be left over from rejected drafts. Per-verify
   acceptance must equal it, greedy and sampled (`MatchSampler`, same seed: the loops draw the
-  same number of times in the same order, so equal logits give equal draws).
+  same number of times in the same order, so the same uniforms meet logits equal to the last
+  bits, and a draw differs only if one lands that close to a boundary of the distribution).
 
 The proposer drafts the greedy continuation of the committed prefix (from scratch) with one
 draft wrong, its position cycling over the block, or none: every verify rolls back 0 to B-1
@@ -15,9 +16,10 @@ tokens, all of them over a run.
 
 Tolerance: none on ids. The cached loop runs the gated delta rule token by token and the
 projections over B rows at once, the scratch loop the chunked rule over the whole prefix:
-their logits differ in the last bits (1e-5 here, against top-2 margins of about 1 on these
-large-initialisation targets), which flips an argmax or a draw only at a near-tie; the
-assertions are on token ids, so the margins are checked to be far from a tie.
+their logits differ in the last bits (top-2 margins differ by 1e-4 at most here, against
+margins of 3e-3 at least, 0.25 typically, on these large-initialisation targets), which flips an
+argmax or a draw only at a near-tie; the assertions are on token ids, and the greedy test checks
+that no margin is within 1e-3 of a tie.
 """
 
 import json
