@@ -14,7 +14,9 @@ reused when present under --work), every prompt is decoded once per seed, on bot
 - vLLM: one job, one process, three engines (the target alone; with the drafter as
   `speculative_config={"method": "dflash", ...}`, stock; and with the drafter again, with the
   CPU build's defect below repaired), the requests drawing from the engine's generator (vLLM's
-  CPU build refuses per-request seeds, bench/engine_vllm.py).
+  CPU build refuses per-request seeds, bench/engine_vllm.py), each engine seeded apart (1, 2,
+  3): engines set up alike with one seed draw one stream, and compared samples must be
+  independent.
 
 vLLM's rule for DFlash drafts (vllm/v1/sample/rejection_sampler.py, 0.32 wheel): the drafts
 are the drafter's argmax (`draft_sample_method="greedy"`, the default; the proposer then keeps
@@ -173,9 +175,10 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
     sampled = {"temperature": temperature, "seeds": seeds}
     with_drafter = engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens, drafter=export,
                                block_size=fam.block_size)
-    job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled},
-                     {**with_drafter, **sampled},
-                     {**with_drafter, **sampled, "name": ENGINES["vllm"], "repair_cpu_expand": True}]}
+    job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled,
+                      "engine_seed": 1},
+                     {**with_drafter, **sampled, "engine_seed": 2},
+                     {**with_drafter, **sampled, "engine_seed": 3, "name": ENGINES["vllm"], "repair_cpu_expand": True}]}
     t0 = time.perf_counter()
     cases = {c["name"]: c for c in run_engine(venv, job, work)}
     engine_s = time.perf_counter() - t0

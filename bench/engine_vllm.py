@@ -7,7 +7,8 @@ JOB: {"cases": [{"name": str, "target": folder, "speculative_config": dict | nul
                  "max_tokens": n, "prompts": [[ids...]...] | null,
                  "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
                  "chat_template": str | null,
-                 "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null}, ...]}
+                 "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null,
+                 "engine_seed": S | null, "repair_cpu_expand": bool | null}, ...]}
 OUT: {"cases": [{"name", "start_s", "resolved": {"rope_theta", "dflash_config"} | null,
                  "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
                  "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
@@ -21,8 +22,10 @@ the case gives a temperature: then every prompt is decoded once per entry of `se
 top-k or top-p, and the outputs come prompt-major, seed-minor. The requests are not seeded
 one by one: vLLM's CPU build refuses per-request seeds (its sampler advances a
 torch.Generator by offsets, which only CUDA generators have: "CPU Generator does not use
-offset"), so every request draws from the engine's generator (`LLM(seed=0)`): independent
-draws, reproducible for the same job.
+offset"), so every request draws from the engine's generator (`LLM(seed=S)`, S the case's
+"engine_seed", else 0): independent draws, reproducible for the same job. Two engines built
+alike with the same S draw the same stream (the same tokens wherever their distributions
+agree), so engines whose samples are compared get different seeds.
 
 A case with `"repair_cpu_expand": true` runs with `expand_batch_to_tokens` of vLLM's
 rejection sampler replaced by a plain-torch one for the case's duration, and its result
@@ -121,7 +124,7 @@ def _run_case(case: dict) -> dict:
     count = len(requests)
     t0 = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
-    llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=0,
+    llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=case.get("engine_seed") or 0,
               max_model_len=case.get("max_model_len", 512), max_num_seqs=max(count, 1),
               speculative_config=case["speculative_config"], **metrics)
     start_s = time.perf_counter() - t0
