@@ -41,6 +41,7 @@ memory of `x.new_empty` (values like 4.6e-41, -3e-12, 1e21; bench/engine_vllm.py
 are then softmax(logits / garbage). Positions drawn by the plain sampler (the prefill's token,
 the bonus token) are right; greedy never reaches it. The repaired engine replaces
 `expand_batch_to_tokens` with plain torch for its case (bench/engine_vllm.py), nothing else.
+Known upstream as vllm-project/vllm issue #55005 (its fix, PR #55006, open at 0.32).
 
 The checks, each at a stated level:
 - acceptance: the mean over requests of each request's tau (1 + accepted drafts per verify,

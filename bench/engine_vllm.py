@@ -68,7 +68,8 @@ def cpu_expand_defect() -> dict:
     `_ensure_int64(output)`: for a float32 (or int32) tensor a new int64 copy, never copied
     back, so the expanded temperature stays uninitialised memory and the draft positions'
     target logits are divided by it (and were it copied back, a temperature like 0.5 would be
-    cut to 0 and replaced by 1). Greedy requests never reach it.
+    cut to 0 and replaced by 1). Greedy requests never reach it. Known upstream as
+    vllm-project/vllm issue #55005.
 
     Returns {"expanded": what the build computes for temperatures [1.0, 0.5] over 2 + 2
     tokens, "want": [1.0, 1.0, 0.5, 0.5], "defect": they differ}."""

@@ -114,6 +114,6 @@ def test_sampled_at_temperature_1_matches_vllms_target_alone_with_the_cpu_expand
     assert result["acceptance_vllm"]["dflash"] > 1.02  # some drafts are accepted at T = 1: there are counts to compare
     stock = {k: t["p"] >= ALPHA / len(POSITIONS) for k, t in result["lossless_vllm_stock"]["per_position"].items()}
     if result["cpu_expand"]["defect"]:
-        assert stock == {"0": True, "1": False, "2": False, "3": False}, result["lossless_vllm_stock"]
+        assert stock == {0: True, 1: False, 2: False, 3: False}, result["lossless_vllm_stock"]
     else:
         assert all(stock.values())
