@@ -339,6 +339,9 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
 
         if arch not in FAMILIES:
             raise ValueError(f"unknown target architecture {arch!r}: one of {', '.join(FAMILIES)}")
+        own_rope = family_config(FAMILIES[arch]).rope_parameters
+        if own_rope.get("rope_type", "default") != "default":  # gpt-oss's YaRN: vLLM's model reads its fields
+            common["rope_parameters"] = {**own_rope, "rope_theta": VLLM_TARGET_ROPE_THETA}
         config = family_config(FAMILIES[arch], **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -7,8 +7,9 @@ vLLM's source and its CPU build's runs. `export` warns with `VLLM_REFUSES`; the 
   drafter reads the target's intermediate layers through vLLM's EAGLE3 interface
   (`SupportsEagle3`: `use_aux_hidden_state_outputs` in its model runner), which vLLM's
   Gemma 2 and Gemma 3 models lack.
-- `VLLM_CPU_CANNOT`: vLLM's GPU build serves them, its CPU build cannot (so dflash's CPU
-  engine check does not run them).
+- `VLLM_CPU_CANNOT`: its CPU build cannot run them (so dflash's CPU engine check does not);
+  vLLM's models for them have the EAGLE3 interface, and its GPU build serves them (z-lab's
+  Qwen3.5 drafters are served so); not run here.
 """
 
 from __future__ import annotations
@@ -40,9 +41,21 @@ VLLM_CPU_CANNOT: dict[str, str] = {
 }
 
 
+# Served, but not as trained: vLLM 0.32 sets CacheConfig.sliding_window from the target's
+# `sliding_window` when every target layer slides (Mistral v0.1; engine/arg_utils.py), and its
+# Attention layers without a window of their own fall back to it (layers/attention/attention.py),
+# the DFlash drafter's full-attention layers included. Past the window the drafter then sees only
+# the window's context, not what dflash trained and evaluated it with: the output stays the
+# target's, the accepted counts differ (fewer, when the drafter uses the far context).
+VLLM_ALL_SLIDING_WINDOWS_THE_DRAFTER = (
+    "vLLM gives an all-sliding-window target's window to the drafter's attention too: past the window the "
+    "drafter sees less context than it was trained with (lossless, fewer drafts accepted)")
+
+
 def vllm_refusal(model_type: str | None) -> str | None:
     """Why the pinned vLLM serves no DFlash drafter for a target of `model_type`, or None."""
     return VLLM_REFUSES.get(model_type or "")
 
 
-__all__ = ["VLLM_CPU_CANNOT", "VLLM_REFUSES", "VLLM_VERSION", "vllm_refusal"]
+__all__ = ["VLLM_ALL_SLIDING_WINDOWS_THE_DRAFTER", "VLLM_CPU_CANNOT", "VLLM_REFUSES", "VLLM_VERSION",
+           "vllm_refusal"]
