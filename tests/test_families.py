@@ -6,10 +6,8 @@ features), `fit` (1 layer, block 4, a few steps), `eval` offline and online, `ex
   `output_hidden_states[layer_id + 1]` of the same sequence's own forward, within the bf16
   codec's rounding (tau equality on random targets is a weak test of layer indexing).
 - Online eval is lossless (the target's own greedy output) on every family, past the window
-  of the sliding-window ones. The hybrid families (linear-attention layers) are in
-  HYBRID_ONLINE_PENDING until dflash's speculative loop is exact on them: their online eval
-  must raise the crash of the issue ("crop was called, but the current layer does not track
-  past states"); once it no longer does, the test fails, and the set is emptied.
+  of the sliding-window ones, and on the hybrid ones (linear-attention layers, whose state the
+  loop rolls back exactly: train/target_cache.py).
 - Export writes the folder and warns, in one line, for the families whose target the pinned
   vLLM serves no DFlash drafter for (dflash.train.serving.VLLM_REFUSES); the README's
   "Supported targets" table lists every family with the same reasons.
@@ -39,11 +37,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 2]  # of 4 layers: the DFlash rule's range (second to third-to-last) and one more
 MAX_NEW_TOKENS = 24  # regenerated replies and online decoding: prompts plus this pass WINDOW
-
-# Online speculative decoding on linear-attention (recurrent) targets is not yet exact: their
-# state cannot be cropped back to the accepted prefix, and eval --online raises there. Empty this
-# set when dflash's loop is exact on hybrids (the README's "Supported targets" row says it too).
-HYBRID_ONLINE_PENDING = {name for name, family in FAMILIES.items() if family.hybrid}
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +115,6 @@ def test_online_eval_is_lossless(pipeline, records):
     family = pipeline["family"]
     config = EvalConfig(run=str(pipeline["run"]), online=True, target=str(pipeline["target"]), prompts=str(records),
                         limit=2, max_new_tokens=MAX_NEW_TOKENS, device="cpu", dtype="float32", save=False)
-    if family.name in HYBRID_ONLINE_PENDING:  # the crash of the issue, until the loop is exact there
-        with pytest.raises(RuntimeError, match="crop` was called, but the current layer does not track past states"):
-            run_eval(config, show_progress=False)
-        return
     online = run_eval(config, show_progress=False)["online"]
     assert online["lossless"] is True
     assert online["num_verifications"] > 0 and online["acceptance_length"] >= 1.0
