@@ -312,7 +312,8 @@ THINKING_TEMPLATE = (
 def vllm_target(path: Path, arch: str = "llama") -> Path:
     """A random 6-layer target over `char_tokenizer()`'s vocabulary, with
     vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick): a Llama with
-    tied embeddings, or a Qwen3 with its own head and THINKING_TEMPLATE.
+    tied embeddings, a Qwen3 with its own head and THINKING_TEMPLATE, or any other family of
+    `dflash.testing.families.FAMILIES` by its name (its fields at these dimensions).
 
     Character tokens (decoded without spaces between them) make regeneration exact: a reply
     decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
@@ -334,7 +335,14 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
         config = Qwen3Config(tie_word_embeddings=False, **common)
         tokenizer.chat_template = THINKING_TEMPLATE
     else:
-        raise ValueError(f"unknown target architecture {arch!r}: llama or qwen3")
+        from dflash.testing.families import FAMILIES, family_config
+
+        if arch not in FAMILIES:
+            raise ValueError(f"unknown target architecture {arch!r}: one of {', '.join(FAMILIES)}")
+        own_rope = family_config(FAMILIES[arch]).rope_parameters
+        if own_rope.get("rope_type", "default") != "default":  # gpt-oss's YaRN: vLLM's model reads its fields
+            common["rope_parameters"] = {**own_rope, "rope_theta": VLLM_TARGET_ROPE_THETA}
+        config = family_config(FAMILIES[arch], **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions: greedy near-ties are rare
