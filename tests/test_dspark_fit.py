@@ -21,7 +21,8 @@ from dflash.train.fit import fit
 from dflash.train.loading import load_drafter
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.speculative import DrafterProposer, MatchSampler, greedy_generate, speculative_generate
-from tests.test_train_fit import assert_same_checkpoint, poison_steps, read_lines, run_subprocess, tiny_config
+from tests import test_train_fit as train_fit
+from tests.test_train_fit import DRIVER, assert_same_checkpoint, poison_steps, read_lines, run_subprocess, tiny_config
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +53,16 @@ def test_a_dspark_run_trains_its_heads(straight_run):
     assert first != last
 
 
-def test_resume_after_sigkill_is_exact(cache_dir, straight_run, tmp_path):
+# test_train_fit's driver, with each checkpoint finished before the next step through the
+# writer's `start` (fit hands snapshots to `start`; the driver's `save` is not on that path), so
+# that on a loaded machine the kill at step 5 surely lands after the step-3 write.
+WAITING_DRIVER = DRIVER.replace("checkpoint.CheckpointWriter.save", "checkpoint.CheckpointWriter.start")
+
+
+def test_resume_after_sigkill_is_exact(cache_dir, straight_run, tmp_path, monkeypatch):
     out = tmp_path / "run"
     config = tiny_config(cache_dir, out, **DSPARK)
+    monkeypatch.setattr(train_fit, "DRIVER", WAITING_DRIVER)
     killed = run_subprocess(config, 5, "between-checkpoints")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert latest_checkpoint(out).name == "step-00000003"
