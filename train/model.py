@@ -145,6 +145,8 @@ class DrafterConfig:
                                  f"{SLIDING_ATTENTION!r} per layer ({self.num_hidden_layers} layers)")
             if SLIDING_ATTENTION not in self.layer_types:
                 self.layer_types = None  # all full: stored as the default, so such a config stays as it was
+        if self.layer_types is None and self.is_causal is False:
+            self.is_causal = None  # all full and bidirectional: the default, likewise
         sliding = self.layer_types is not None
         if sliding != (self.sliding_window is not None) or (sliding and self.sliding_window < 1):
             raise ValueError(f"DrafterConfig.sliding_window (>= 1) is set exactly when a layer is {SLIDING_ATTENTION}: "
