@@ -81,13 +81,17 @@ def test_a_full_export_is_written_as_before():
     assert config["dflash_config"]["causal"] is False and "is_causal" not in config
 
 
-def test_the_model_card_states_the_layout(tmp_path):
-    from dflash.train.export import _attention_sentence
+def test_the_model_card_states_the_layout():
+    from dflash.train.export import _attention_sentence, _serving_lines
 
     assert _attention_sentence(make_config()) == ""
     assert _attention_sentence(make_config(layer_types=MIXED, sliding_window=6)) == (
         " Attention by layer: sliding window 6, causal; sliding window 6, causal; full, bidirectional inside the "
         "block.")
+    v2 = "set `VLLM_USE_V2_MODEL_RUNNER=1`"
+    assert any(v2 in line for line in _serving_lines(make_config(layer_types=MIXED, sliding_window=6), None))
+    only_sliding = make_config(layer_types=["sliding_attention"] * 3, sliding_window=6)
+    assert not any(v2 in line for line in _serving_lines(only_sliding, None) + _serving_lines(make_config(), None))
 
 
 # -- layouts users bring, built by hand -----------------------------------------------------
