@@ -203,7 +203,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, required=True, help="the prompts file the cache was built from")
     parser.add_argument("--work", type=Path, required=True, help="where runs and tau.jsonl go (reused)")
     parser.add_argument("--variants", default="all",
-                        help=f"comma-separated labels (or their first words), or all: {', '.join(VARIANTS)}")
+                        help=f"comma-separated labels (a whole label picks that row alone, first words every row "
+                        f"they start), or all: {', '.join(VARIANTS)}")
     parser.add_argument("--baseline", default="kl+ce",
                         help="the row every other is compared with, seed by seed (fit's default loss)")
     parser.add_argument("--more-data", type=Path,
@@ -224,8 +225,8 @@ def main() -> None:
     else:
         wanted = args.variants.split(",")
 
-        def matches(label: str, word: str) -> bool:
-            return label == word or label.startswith(word + " ")
+        def matches(label: str, word: str) -> bool:  # a whole label picks itself alone
+            return label == word or (word not in VARIANTS and label.startswith(word + " "))
 
         chosen = [label for label in VARIANTS if any(matches(label, w) for w in wanted)]
         unknown = [w for w in wanted if not any(matches(label, w) for label in VARIANTS)]
