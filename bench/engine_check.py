@@ -24,7 +24,13 @@ vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
    transformers<5.20, so it cannot share this venv, see bench/engine_venv.sh): one vLLM
    engine per drafter folder and one for each target alone, the target in float32 with
    `speculative_config={"method": "dflash", ...}`, greedy. vLLM renders the prompts itself
-   from the conversations, with the chat-template kwargs the cache recorded.
+   from the conversations, with the chat-template kwargs the cache recorded. A family may
+   also (or only) be served on vLLM's V2 model runner (`Family.model_runners`), which on a
+   CPU needs a workaround: vLLM refuses V2 there ("Model Runner V2 requires Triton") because
+   PyPI's triton has no cpu backend, so the V2 engine process sets TRITON_INTERPRET=1 and
+   adds a `cpu` entry to `triton.backends` in its own memory before it imports vllm
+   (bench/engine_vllm.py `triton_interpreter`); no installed file changes, and a GPU needs
+   none of it. V1 cases run in one process, V2 ones in another.
 3. The checks: rendering (vLLM's prompt ids == dflash's), lossless (vLLM speculative == vLLM
    greedy == dflash's greedy, every prompt) and acceptance (vLLM's per-step accepted counts
    == dflash's, every step), and the RoPE base vLLM resolved for the drafter == the trained
@@ -99,11 +105,22 @@ class Family:
     """Broken copies of this family's export (names of BROKEN) that must fail."""
     draft_vocab: int | None = None
     """`fit --draft-vocab`: the drafter's own head of this many rows and its d2t map."""
+    model_runners: tuple[str, ...] = ("v1",)
+    """vLLM model runners that serve the good export: "v1", and "v2" (on CPU through Triton's
+    interpreter, bench/engine_vllm.py); the broken copies and the target alone run on the
+    first."""
+
+    def good_cases(self) -> list[str]:
+        """The good export's case names, one per model runner: the export folder's name on the
+        first runner, with "-RUNNER" after it on the others."""
+        export = f"dflash-{self.name}-{self.dtype}"
+        return [export] + [f"{export}-{runner}" for runner in self.model_runners[1:]]
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
     Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="bfloat16",
-           broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing")),
+           broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing"),
+           model_runners=("v1", "v2")),
     Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
     Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
@@ -348,26 +365,37 @@ def broken_export(export: Path, name: str, out: Path, *, run: Path) -> Path:
 
 
 def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """bench/engine_vllm.py in the engine venv on `job`; returns its cases (see that file).
-    Its log goes to work/engine.log; RuntimeError with the log's tail if it dies."""
+    """bench/engine_vllm.py in the engine venv on `job`; returns its cases (see that file), in
+    the job's order. One process per model runner the cases ask for (a case's "model_runner",
+    "v1" when absent): V1 cases first, then V2 ones, which run through Triton's interpreter
+    (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other;
+    RuntimeError with the log's tail if a process dies."""
     python = venv / "bin" / "python"
     if not python.is_file():
         raise FileNotFoundError(f"{python}: no engine venv; build it with `bash bench/engine_venv.sh {venv}`")
     job_path, out_path, log_path = work / "engine-job.json", work / "engine-out.json", work / "engine.log"
-    job_path.write_text(json.dumps(job))
-    out_path.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not the project's packages
-    # One process for every engine (no engine-core subprocess): a start after the first costs
-    # seconds instead of about a minute.
+    # One process for every engine of a runner (no engine-core subprocess): a start after the
+    # first costs seconds instead of about a minute.
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    with open(log_path, "w") as log:
-        proc = subprocess.run([str(python), str(REPO / "bench" / "engine_vllm.py"), str(job_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"the engine process exited with {proc.returncode} (log: {log_path}):\n{tail}")
-    return json.loads(out_path.read_text())["cases"]
+    log_path.write_text("")
+    results: dict[str, dict[str, Any]] = {}
+    for runner in ("v1", "v2"):
+        cases = [case for case in job["cases"] if case.get("model_runner", "v1") == runner]
+        if not cases:
+            continue
+        job_path.write_text(json.dumps({**job, "model_runner": runner, "cases": cases}))
+        out_path.unlink(missing_ok=True)
+        with open(log_path, "a") as log:
+            proc = subprocess.run([str(python), str(REPO / "bench" / "engine_vllm.py"), str(job_path),
+                                   str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+        if proc.returncode != 0 or not out_path.is_file():
+            tail = log_path.read_text()[-3000:]
+            raise RuntimeError(f"the {runner} engine process exited with {proc.returncode} (log: {log_path}):\n"
+                               f"{tail}")
+        results.update((case["name"], case) for case in json.loads(out_path.read_text())["cases"])
+    return [results[case["name"]] for case in job["cases"]]
 
 
 def engine_root_cause(log_path: Path, name: str) -> str | None:
@@ -387,14 +415,15 @@ def engine_root_cause(log_path: Path, name: str) -> str | None:
 
 
 def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,
-                block_size: int | None = None, modes: tuple[str, ...] = ("batched",)) -> dict[str, Any]:
-    """A job case: `target` alone, or with the dflash drafter folder (B-1 drafts per step);
-    vLLM renders the prompts from their conversations."""
+                block_size: int | None = None, modes: tuple[str, ...] = ("batched",),
+                model_runner: str = "v1") -> dict[str, Any]:
+    """A job case: `target` alone, or with the dflash drafter folder (B-1 drafts per step),
+    on vLLM's `model_runner` ("v1" or "v2"); vLLM renders the prompts from their conversations."""
     spec = None if drafter is None else {"method": "dflash", "model": str(drafter),
                                          "num_speculative_tokens": block_size - 1}
     return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
             "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
-            "chat_template": prompts.chat_template, "modes": list(modes)}
+            "chat_template": prompts.chat_template, "modes": list(modes), "model_runner": model_runner}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -428,18 +457,21 @@ def _first_difference(a: list, b: list) -> int:
 
 def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tokens: int,
                greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None,
-               rope_theta: float | None = None) -> list[str]:
+               rope_theta: float | None = None, model_runner: str | None = None) -> list[str]:
     """What differs between vLLM's case (every mode it ran) and dflash's reference; empty:
     the case passes. Rendering: vLLM's prompt ids == dflash's; lossless: vLLM's tokens ==
     dflash's greedy (== vLLM's target-alone `greedy` when given); acceptance: vLLM's per-step
     accepted drafts, cut to what was owed, == dflash's, up to a first difference at a drafter
     near-tie (DRAFT_NEAR_TIE), which ends that prompt's comparison and is noted in
     `near_ties`. And the RoPE base vLLM resolved for the drafter == `rope_theta`, the trained
-    one: a tiny drafter's drafts need not change with it, a real one's do."""
+    one: a tiny drafter's drafts need not change with it, a real one's do. And, when
+    `model_runner` is given, that vLLM ran that model runner."""
     name = case["name"]
     if "error" in case:
         return [f"{name}: the engine failed: {case['error'].splitlines()[0][:400]}"]
     failures = []
+    if model_runner is not None and case.get("model_runner") != model_runner:
+        failures.append(f"{name}: vLLM ran its {case.get('model_runner')} model runner, not {model_runner}")
     resolved = (case.get("resolved") or {}).get("rope_theta")
     if rope_theta is not None and resolved != rope_theta:
         failures.append(f"{name}: vLLM runs the drafter with RoPE base {resolved}, trained with {rope_theta}")
@@ -484,15 +516,16 @@ def tokens_per_s(run: dict[str, Any]) -> float:
 
 def case_row(name: str, family: str, broken: bool, reference: list[dict[str, Any]], result: dict[str, Any],
              greedy: dict[str, Any] | None, *, block_size: int, max_tokens: int, rope_theta: float | None,
-             log_path: Path) -> dict[str, Any]:
-    """One case's report row: its failures, near-ties, figures on both sides and speeds."""
+             log_path: Path, model_runner: str = "v1") -> dict[str, Any]:
+    """One case's report row: its failures, near-ties, figures on both sides and speeds;
+    `model_runner` is the one the case asked vLLM for."""
     if "error" in result:
         result = {**result, "error": engine_root_cause(log_path, name) or result["error"]}
     near_ties: list[str] = []
     row = {"name": name, "family": family, "broken": broken,
            "failures": check_case(reference, result, max_tokens=max_tokens, greedy=greedy, near_ties=near_ties,
-                                  rope_theta=rope_theta),
-           "near_ties": near_ties, "start_s": result.get("start_s"),
+                                  rope_theta=rope_theta, model_runner=model_runner),
+           "near_ties": near_ties, "start_s": result.get("start_s"), "model_runner": model_runner,
            "dflash": figures([r["accepted"] for r in reference], block_size)}
     for mode, run in (result.get("runs") or {}).items():
         row.setdefault("vllm", figures([cut_to_owed(o["per_step_accepted"], max_tokens) for o in run["outputs"]],
@@ -542,16 +575,19 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
         prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
         reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
                                      block_size=family.block_size, dtype=family.dtype)
-        names = [good.name]
-        cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS))
-        cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
-                                 block_size=family.block_size))
+        names = family.good_cases()
+        runners = dict(zip(names, family.model_runners))
+        cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS,
+                                 model_runner=family.model_runners[0]))
+        cases += [engine_case(name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
+                              block_size=family.block_size, model_runner=runner) for name, runner in runners.items()]
         for broken in (b for b in family.broken if b in config.broken):
             folder = broken_export(good, broken, work / f"dflash-broken-{family.name}-{broken}", run=run)
             cases.append(engine_case(broken, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=folder,
-                                     block_size=family.block_size))
+                                     block_size=family.block_size, model_runner=family.model_runners[0]))
             names.append(broken)
-        families.append({"family": family, "reference": reference, "cases": names,
+            runners[broken] = family.model_runners[0]
+        families.append({"family": family, "reference": reference, "cases": names, "model_runners": runners,
                          # the trained base (the run's), not the export's: it is what the export must carry
                          "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
@@ -574,7 +610,8 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
         for name in entry["cases"]:
             report.append(case_row(name, family.name, name in BROKEN, entry["reference"], by_name[name], greedy,
                                    block_size=family.block_size, max_tokens=MAX_NEW_TOKENS,
-                                   rope_theta=entry["rope_theta"], log_path=config.work / "engine.log"))
+                                   rope_theta=entry["rope_theta"], log_path=config.work / "engine.log",
+                                   model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
             "target_alone_start_s": {e["family"].name: by_name[f"{e['family'].name}-target-alone"]["start_s"]
                                      for e in prepared["families"]}}
@@ -590,7 +627,7 @@ def format_report(result: dict[str, Any]) -> str:
     for row in result["cases"]:
         verdict = ("FAILS as it must" if row["failures"] else "PASSES (must fail!)") if row["broken"] else (
             "FAILS" if row["failures"] else "passes")
-        lines.append(f"{row['name']} [{row['family']}]: {verdict}")
+        lines.append(f"{row['name']} [{row['family']}, runner {row['model_runner']}]: {verdict}")
         lines += [_figures_line(key, row[key]) for key in ("dflash", "vllm") if key in row]
         if "vllm_batched_tokens_per_s" in row:
             lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_batched_tokens_per_s']:.1f} "
