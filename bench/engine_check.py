@@ -109,6 +109,13 @@ class Family:
     """vLLM model runners that serve the good export: "v1", and "v2" (on CPU through Triton's
     interpreter, bench/engine_vllm.py); the broken copies and the target alone run on the
     first."""
+    fit_options: dict[str, Any] = field(default_factory=dict)
+    """More `fit` options (flat FitConfig keys), such as the drafter kind."""
+
+    @property
+    def cache_name(self) -> str:
+        """Families of one target and feature codec train from one cache."""
+        return f"cache-{self.arch}-{self.feature_codec}"
 
     def good_cases(self) -> list[str]:
         """The good export's case names, one per model runner: the export folder's name on the
@@ -149,7 +156,7 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
     records = work / "records.jsonl"
     if not records.is_file():
         write_records(records)
-    cache = work / f"cache-{family.name}"
+    cache = work / family.cache_name
     if not (cache / "manifest.json").is_file():
         rank = {"feature_rank": 48} if family.feature_codec.startswith("basis") else {}
         run_precompute(precompute_config(target, records, cache, regenerate=True, max_new_tokens=48,
@@ -159,7 +166,8 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
     if not (run / "checkpoints").is_dir():
         fit(tiny_fit_config(cache, run, block_size=family.block_size, max_steps=max_steps, eval_fraction=0.0,
                             lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
-                            tokens_per_step=384, log_every=100, draft_vocab=family.draft_vocab))
+                            tokens_per_step=384, log_every=100, draft_vocab=family.draft_vocab,
+                            **family.fit_options))
     return target, cache, run
 
 
@@ -368,8 +376,9 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
     """bench/engine_vllm.py in the engine venv on `job`; returns its cases (see that file), in
     the job's order. One process per model runner the cases ask for (a case's "model_runner",
     "v1" when absent): V1 cases first, then V2 ones, which run through Triton's interpreter
-    (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other;
-    RuntimeError with the log's tail if a process dies."""
+    (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other,
+    and all results to work/engine-out.json; RuntimeError with the log's tail if a process
+    dies."""
     python = venv / "bin" / "python"
     if not python.is_file():
         raise FileNotFoundError(f"{python}: no engine venv; build it with `bash bench/engine_venv.sh {venv}`")
@@ -395,7 +404,9 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
             raise RuntimeError(f"the {runner} engine process exited with {proc.returncode} (log: {log_path}):\n"
                                f"{tail}")
         results.update((case["name"], case) for case in json.loads(out_path.read_text())["cases"])
-    return [results[case["name"]] for case in job["cases"]]
+    ordered = [results[case["name"]] for case in job["cases"]]
+    out_path.write_text(json.dumps({"cases": ordered}))  # every runner's, for reading afterwards
+    return ordered
 
 
 def engine_root_cause(log_path: Path, name: str) -> str | None:
@@ -414,16 +425,48 @@ def engine_root_cause(log_path: Path, name: str) -> str | None:
     return causes[-1] if causes else None
 
 
+@dataclass(frozen=True)
+class Serving:
+    """How vLLM serves an exported folder: its speculative method, the drafts per step, and
+    the model runner it needs on vLLM 0.32."""
+
+    method: str  # "dflash" or "dspark"
+    num_drafts: int
+    model_runner: str  # "v1" or "v2"
+
+    @property
+    def verify_block(self) -> int:
+        """The block dflash's speculative loop verifies: the drafts and the anchor."""
+        return self.num_drafts + 1
+
+
+def serving(export: Path) -> Serving:
+    """`export`'s Serving, from its config.json: a DSpark folder (a `markov_rank`) is method
+    "dspark", `block_size` drafts (its anchor drafts too), V2 only; a DFlash folder drafts
+    block_size - 1, on V1, or on V2 when its layers mix sliding-window and full attention
+    (vLLM 0.32 refuses that on V1)."""
+    config = json.loads((export / "config.json").read_text())
+    block_size = int(config.get("block_size") or config["dflash_config"]["block_size"])
+    if config.get("markov_rank") is not None:
+        return Serving(method="dspark", num_drafts=block_size, model_runner="v2")
+    kinds = set(config.get("layer_types") or [])
+    return Serving(method="dflash", num_drafts=block_size - 1,
+                   model_runner="v2" if {"sliding_attention", "full_attention"} <= kinds else "v1")
+
+
 def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,
-                block_size: int | None = None, modes: tuple[str, ...] = ("batched",),
-                model_runner: str = "v1") -> dict[str, Any]:
-    """A job case: `target` alone, or with the dflash drafter folder (B-1 drafts per step),
-    on vLLM's `model_runner` ("v1" or "v2"); vLLM renders the prompts from their conversations."""
-    spec = None if drafter is None else {"method": "dflash", "model": str(drafter),
-                                         "num_speculative_tokens": block_size - 1}
+                modes: tuple[str, ...] = ("batched",), model_runner: str | None = None) -> dict[str, Any]:
+    """A job case: `target` alone (on V1, or `model_runner`), or with a drafter folder as
+    `serving(drafter)` says, on its model runner unless `model_runner` is given ("v1" or
+    "v2"); vLLM renders the prompts from their conversations."""
+    spec = None
+    if drafter is not None:
+        how = serving(drafter)
+        spec = {"method": how.method, "model": str(drafter), "num_speculative_tokens": how.num_drafts}
+        model_runner = model_runner or how.model_runner
     return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
             "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
-            "chat_template": prompts.chat_template, "modes": list(modes), "model_runner": model_runner}
+            "chat_template": prompts.chat_template, "modes": list(modes), "model_runner": model_runner or "v1"}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -573,21 +616,23 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
         if not good.is_dir():
             export_run(run, good, dtype=family.dtype)
         prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
+        block = serving(good).verify_block
         reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
-                                     block_size=family.block_size, dtype=family.dtype)
+                                     block_size=block, dtype=family.dtype)
         names = family.good_cases()
         runners = dict(zip(names, family.model_runners))
         cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS,
                                  model_runner=family.model_runners[0]))
-        cases += [engine_case(name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
-                              block_size=family.block_size, model_runner=runner) for name, runner in runners.items()]
+        cases += [engine_case(name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good, model_runner=runner)
+                  for name, runner in runners.items()]
         for broken in (b for b in family.broken if b in config.broken):
             folder = broken_export(good, broken, work / f"dflash-broken-{family.name}-{broken}", run=run)
             cases.append(engine_case(broken, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=folder,
-                                     block_size=family.block_size, model_runner=family.model_runners[0]))
+                                     model_runner=family.model_runners[0]))
             names.append(broken)
             runners[broken] = family.model_runners[0]
         families.append({"family": family, "reference": reference, "cases": names, "model_runners": runners,
+                         "verify_block": block,
                          # the trained base (the run's), not the export's: it is what the export must carry
                          "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
@@ -609,7 +654,7 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
             raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
         for name in entry["cases"]:
             report.append(case_row(name, family.name, name in BROKEN, entry["reference"], by_name[name], greedy,
-                                   block_size=family.block_size, max_tokens=MAX_NEW_TOKENS,
+                                   block_size=entry["verify_block"], max_tokens=MAX_NEW_TOKENS,
                                    rope_theta=entry["rope_theta"], log_path=config.work / "engine.log",
                                    model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
@@ -686,15 +731,15 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     modes = ("single", "batched")
     job = {"cases": [engine_case("target-alone", target, check_prompts, max_tokens=max_new_tokens, modes=modes),
                      engine_case(export.name, target, check_prompts, max_tokens=max_new_tokens, drafter=export,
-                                 block_size=block_size, modes=modes)]}
+                                 modes=modes)]}
     results = {r["name"]: r for r in run_engine(engine_venv_path, job, work)}
     greedy = results["target-alone"]
     if "error" in greedy:
         raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
     trained_rope = json.loads((run / "drafter_config.json").read_text())["rope_theta"]
     row = case_row(export.name, "run", False, reference, results[export.name], greedy, block_size=block_size,
-                   max_tokens=max_new_tokens, rope_theta=trained_rope,
-                   log_path=work / "engine.log")
+                   max_tokens=max_new_tokens, rope_theta=trained_rope, log_path=work / "engine.log",
+                   model_runner=serving(export).model_runner)
     return {"run": str(run), "export": str(export), "num_prompts": len(reference), "max_new_tokens": max_new_tokens,
             "block_size": block_size, "row": row,
             "dflash_online": {k: online[k] for k in ("acceptance_length", "lossless", "tokens_per_s",

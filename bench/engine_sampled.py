@@ -153,7 +153,7 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
     sampled = {"temperature": temperature, "seeds": seeds}
     job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled},
                      {**engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens,
-                                    drafter=export, block_size=fam.block_size), **sampled}]}
+                                    drafter=export), **sampled}]}
     t0 = time.perf_counter()
     cases = {c["name"]: c for c in run_engine(venv, job, work)}
     engine_s = time.perf_counter() - t0
