@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from dflash.train.data import eligible_anchors
+from dflash.train.dspark import is_dspark, sequential_drafts
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
 
 
@@ -154,15 +155,21 @@ def sequence_acceptance(
     drafts = np.empty((anchors.shape[0], B - 1), dtype=np.int64)
     ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64), device=device)  # [T]
     flat = torch.as_tensor(np.asarray(features, dtype=np.float32).reshape(T, -1), device=device)  # [T, L*H]
+    dspark = is_dspark(drafter)  # its block is the anchor and B-2 masks, each position drafting the next token
+    Q = B - 1 if dspark else B  # drafter rows per block
     for first in range(0, anchors.shape[0], anchors_per_call):
         chunk = anchors[first:first + anchors_per_call]  # [n]
         context_length = int(chunk.max())  # context rows 0..max(a)-1: all any block may see
-        layout = BlockLayout.build([(context_length, chunk)], B, device=device)
-        block_ids = torch.full((chunk.shape[0], B), drafter.config.mask_token_id, dtype=torch.long,
-                               device=device)  # [n, B]
+        layout = BlockLayout.build([(context_length, chunk)], Q, device=device)
+        block_ids = torch.full((chunk.shape[0], Q), drafter.config.mask_token_id, dtype=torch.long,
+                               device=device)  # [n, Q]
         block_ids[:, 0] = ids[torch.as_tensor(chunk, device=device)]
-        embeds = head.embed(block_ids.reshape(-1)).to(next(drafter.parameters()).dtype)  # [n*B, H]
-        hidden = drafter(embeds, flat[:context_length], layout)  # [n*B, H]
+        embeds = head.embed(block_ids.reshape(-1)).to(next(drafter.parameters()).dtype)  # [n*Q, H]
+        hidden = drafter(embeds, flat[:context_length], layout)  # [n*Q, H]
+        if dspark:  # left to right, each draft's Markov bias from the one before: the online rule
+            drafts[first:first + chunk.shape[0]] = sequential_drafts(
+                drafter, hidden.view(chunk.shape[0], Q, -1), block_ids[:, 0], head).cpu().numpy()
+            continue
         hidden = hidden.view(chunk.shape[0], B, -1)[:, 1:].reshape(-1, hidden.shape[-1])  # [n*(B-1), H]
         drafts[first:first + chunk.shape[0]] = (
             head.to_target(greedy_tokens(hidden, head.lm_head, argmax_rows)).view(chunk.shape[0], B - 1).cpu().numpy())

@@ -70,8 +70,21 @@ class ModelConfig:
     cheaper; the export adds `lm_head.weight` and `d2t`, which vLLM serves and z-lab's code
     does not load. None: the target's whole head (train/draft_vocab.py)."""
 
+    drafter: Literal["dflash", "dspark"] = "dflash"
+    """dflash, or dspark: the DFlash backbone plus a Markov head (each draft's logits get a
+    bias from the token before it; a block of block_size drafts block_size tokens, its anchor
+    included) served by vLLM's `dspark` method (train/dspark.py)."""
+    markov_rank: int = 256
+    """dspark: rank of the Markov head (markov_w1 [vocab, rank], markov_w2 [draft vocab, rank])."""
+    confidence_head: bool = False
+    """dspark: also train a confidence head (each draft's acceptance probability, for vLLM's
+    adaptive verification), by cross-entropy towards the drafter's overlap with the target's top-k."""
+
     def __post_init__(self) -> None:
         check_choices(self)
+        _positive(self, "markov_rank")
+        if self.confidence_head and self.drafter != "dspark":
+            raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
         if self.draft_vocab is not None:
             _positive(self, "draft_vocab")
         if self.num_layers is not None:

@@ -349,6 +349,7 @@ class Batch:
     topk_ids: torch.Tensor  # [N, k] int64
     topk_logprobs: torch.Tensor  # [N, k] float32
     weights: torch.Tensor  # [N] float32, exp(-(k-1)/gamma)
+    label_tokens: torch.Tensor  # [N] int64: x[a+k-1], the token before the one each label row predicts
     sequences: list[int]  # global sequence index per segment
 
     @property
@@ -362,7 +363,7 @@ class Batch:
 
 
 _TENSORS = ("block_ids", "context_features", "label_rows", "label_positions", "topk_ids",
-            "topk_logprobs", "weights")
+            "topk_logprobs", "weights", "label_tokens")
 
 
 def decode_features(raw, spec, stop: int) -> np.ndarray:
@@ -392,7 +393,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
     weights_k = position_weights(B, gamma)  # [B]
     layout_segments, sequences = [], []
     block_ids, features = [], []
-    label_rows, label_positions, topk_ids, topk_logprobs, weights = [], [], [], [], []
+    label_rows, label_positions, topk_ids, topk_logprobs, weights, label_tokens = [], [], [], [], [], []
     row0 = 0
     for seg in segments:
         cache, index = corpus.locate(seg.sequence)
@@ -420,6 +421,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         topk_ids.append(np.asarray(raw.topk_ids)[label_at])
         topk_logprobs.append(np.asarray(raw.topk_logprobs)[label_at])
         weights.append(weights_k[ks])
+        label_tokens.append(np.asarray(raw.input_ids)[label_at])
         row0 += anchors.shape[0] * B
     if all(part.dtype == np.uint16 for part in features):  # bf16 bits, kept bf16
         context = torch.from_numpy(np.concatenate(features)).view(torch.bfloat16)
@@ -435,6 +437,7 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         topk_ids=torch.from_numpy(np.concatenate(topk_ids).astype(np.int64)),
         topk_logprobs=torch.from_numpy(np.concatenate(topk_logprobs).astype(np.float32)),
         weights=torch.from_numpy(np.concatenate(weights)),
+        label_tokens=torch.from_numpy(np.concatenate(label_tokens).astype(np.int64)),
         sequences=sequences,
     )
     if pin:

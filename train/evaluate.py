@@ -295,6 +295,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     loaded = load_drafter(config.run, config.checkpoint, device=device)
     drafter = loaded.drafter.eval()
     block_size = config.block_size or drafter.config.block_size
+    if drafter.config.markov_rank is not None:  # DSpark: its block of N drafts N, verified as N + 1 tokens
+        block_size += 1
     result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
 
     selection, keep = _select(config, loaded)

@@ -46,7 +46,14 @@ from dflash.shards.commands import DflashCommand
 from dflash.shards.files import atomic_dir
 from dflash.shards.layout import TARGET_DIR, TARGET_INFO_FILE
 from dflash.shards.options import PATH, check_choices, config_options, given
-from dflash.train.loading import ARCHITECTURE, HF_CONFIG_FILE, HF_WEIGHTS_FILE, LoadedDrafter, load_drafter
+from dflash.train.loading import (
+    ARCHITECTURE,
+    DSPARK_ARCHITECTURE,
+    HF_CONFIG_FILE,
+    HF_WEIGHTS_FILE,
+    LoadedDrafter,
+    load_drafter,
+)
 from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import eval_results_path, held_out_eval
 
@@ -109,10 +116,61 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
     }
     if config.draft_vocab_size is not None:  # vLLM's DFlash loader: its own head of these rows, and d2t
         data["draft_vocab_size"] = config.draft_vocab_size
+    if config.markov_rank is not None:
+        data.update(dspark_fields(config))
     for key, value in (token_ids or {}).items():
         if value is not None:
             data[key] = value
     return data
+
+
+def dspark_fields(config: DrafterConfig) -> dict[str, Any]:
+    """What vLLM's qwen3_dspark loader and DSpark speculator read beyond the DFlash fields
+    (train/dspark.py): the architecture, the Markov rank, the block (vLLM's default
+    num_speculative_tokens; top-level `block_size` above), the anchor-predicts layout, the
+    confidence head, and no top-k restriction of the Markov bias (dspark_draft_topk null:
+    the bias over the whole draft vocabulary, as trained)."""
+    return {
+        "architectures": [DSPARK_ARCHITECTURE],
+        "markov_rank": config.markov_rank,
+        "sample_from_anchor": True,
+        "enable_confidence_head": config.confidence_head,
+        "confidence_head_with_markov": config.confidence_head,
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+        "dspark_draft_topk": None,
+    }
+
+
+def vllm_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors (name: shape) an exported folder with this config.json must hold for vLLM's
+    loader, read from vLLM 0.32's `qwen3_dflash.py` / `qwen3_dspark.py` module trees (the names
+    as they stand in the file; vLLM prefixes `model.` to all but `lm_head` and turns `d2t` into
+    `draft_id_to_target_id`). vLLM's `load_weights` checks none of this: a tensor left out stays
+    uninitialised memory and drafts garbage, so `tests/test_dspark.py` compares exports to it."""
+    h, r = config["hidden_size"], config.get("markov_rank")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd, inner, vocab = config["head_dim"], config["intermediate_size"], config["vocab_size"]
+    draft = config.get("draft_vocab_size") or vocab
+    width = len(config["dflash_config"]["target_layer_ids"]) * h  # target_hidden_size = hidden_size here
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, width), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, h),
+                       p + "self_attn.k_proj.weight": (kv_heads * hd, h),
+                       p + "self_attn.v_proj.weight": (kv_heads * hd, h),
+                       p + "self_attn.o_proj.weight": (h, heads * hd),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate_proj.weight": (inner, h), p + "mlp.up_proj.weight": (inner, h),
+                       p + "mlp.down_proj.weight": (h, inner), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    if draft < vocab:  # a reduced head must ship with its id map, or vLLM refuses it
+        shapes.update({"lm_head.weight": (draft, h), "d2t": (draft,)})
+    if r is not None:
+        shapes.update({"markov_head.markov_w1.weight": (vocab, r), "markov_head.markov_w2.weight": (draft, r)})
+        if config.get("enable_confidence_head"):
+            extra = r if config.get("confidence_head_with_markov") else 0
+            shapes.update({"confidence_head.proj.weight": (1, h + extra), "confidence_head.proj.bias": (1,)})
+    return shapes
 
 
 def draft_vocab_tensors(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -211,7 +269,8 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
         f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}.",
         "",
-        *_serving_lines(c, target),
+        *(_dspark_lines(c) if c.markov_rank is not None else []),
+        *(_serving_lines(c, target) if c.markov_rank is None else _dspark_serving_lines(c, target)),
         "",
         "## Measured acceptance length",
         "",
@@ -282,6 +341,35 @@ def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
          "(`lm_head.weight` holds the target head's rows of them, `d2t` maps each row to its token: "
          "target id = row + d2t[row]), which vLLM loads; z-lab/dflash's `DFlashDraftModel` loads no draft "
          "vocabulary, nor does SGLang's DFlash loader as far as we know (train without `--draft-vocab` for them)."),
+    ]
+
+
+def _dspark_lines(c: DrafterConfig) -> list[str]:
+    return ["", f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the DFlash "
+            "backbone (`markov_head.markov_w1` [vocab, rank] embeds the previous token, `markov_head.markov_w2` "
+            "[draft vocab, rank] biases the draft logits), drafting left to right; its block is the anchor and "
+            f"{c.block_size - 1} masks, and every position predicts the next token: {c.block_size} drafts per step"
+            + (", with a confidence head (`confidence_head.proj`)." if c.confidence_head else ".")]
+
+
+def _dspark_serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
+    """How to serve a DSpark folder: vLLM's `dspark` method, which runs on its V2 model runner."""
+    target = f"/path/to/{target}" if target else "/path/to/TARGET"
+    spec = (f"'{{\"method\": \"dspark\", \"model\": \"/path/to/THIS/FOLDER\", "
+            f"\"num_speculative_tokens\": {c.block_size}}}'")
+    return [
+        "## Serving",
+        "",
+        f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dspark` "
+        f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the block size, "
+        f"{c.block_size} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, which "
+        "on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
+        "",
+        "```bash",
+        f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
+        "```",
+        "",
+        "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.",
     ]
 
 
@@ -364,7 +452,8 @@ def export_command(**options: Any) -> None:
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
     path = export_run(**given(options))  # ValueError/OSError: one line
     click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
-    if "dflash" not in path.name.lower():
+    dspark = json.loads((path / HF_CONFIG_FILE).read_text()).get("markov_rank") is not None
+    if not dspark and "dflash" not in path.name.lower():
         click.echo(f"Warning: --out {path.name}: the folder name lacks \"dflash\"; keep \"method\": \"dflash\" "
                    "in vLLM's --speculative-config (without it vLLM guesses the method from the name and "
                    "runs the folder as a plain draft model that accepts nothing)", err=True)

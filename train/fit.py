@@ -48,7 +48,7 @@ from dflash.kernels import sparse_kl_loss
 from dflash.shards import open_cache
 from dflash.shards.files import write_json_atomic
 from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
-from dflash.train import draft_vocab, parallel
+from dflash.train import draft_vocab, dspark, parallel
 from dflash.train.checkpoint import CheckpointWriter, Snapshot, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
@@ -308,7 +308,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
 
     compute_dtype = _compute_dtype(config.runtime.dtype, device)
     torch.manual_seed(config.data.seed)
-    model = DFlashDrafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
+    model = dspark.make_drafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
     initial_weights(model, config.model, head, caches[0].target_dir)
@@ -325,7 +325,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
 
     if is_main and resume_from is not None:
         print(f"resuming from {resume_from} (step {step})", flush=True)
-    gamma = config.loss.decay_gamma or decay_gamma(config.model.block_size)
+    gamma = config.loss.decay_gamma or decay_gamma(drafter_config.num_drafts + 1)  # DSpark: as DFlash of its drafts
     writer = CheckpointWriter(run_dir, config.checkpoint.keep_checkpoints) if is_main else None
     # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
     logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
@@ -435,6 +435,9 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
                                                block_size=model.block_size, mask_token_id=model.mask_token_id)
     drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab)
+    if model.drafter == "dspark":
+        drafter_config = dataclasses.replace(drafter_config, markov_rank=model.markov_rank,
+                                             confidence_head=model.confidence_head)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
         raise ValueError(
             f"{target_dir / TARGET_INFO_FILE} (layers {drafter_config.target_layer_ids}, hidden "
@@ -505,10 +508,13 @@ def _same_cpu_threads(state: dict, device: torch.device) -> None:
 def _read(run: Run, plan: DataPlan, stream: int, step_in_stream: int, pin: bool = False):
     """This rank's (batch, layout) of `plan`'s step `step_in_stream` of `stream`, on the device."""
     B = run.config.model.block_size
+    labels = run.drafter_config.num_drafts + 1  # the block the labels are read for: B, or B + 1 (DSpark)
     batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
-                       plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed, block_size=B,
-                       gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id, pin=pin).to(run.device)
-    return batch, BlockLayout.build(batch.segments, B, device=run.device)
+                       plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed, block_size=labels,
+                       gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id, pin=pin)
+    if labels != B:
+        batch = dspark.anchor_batch(batch, B)
+    return batch.to(run.device), BlockLayout.build(batch.segments, B, device=run.device)
 
 
 def _read_step(run: Run, step: int):
@@ -524,13 +530,19 @@ def forward_loss(run: Run, batch, layout: BlockLayout) -> tuple[torch.Tensor, to
     with torch.autocast(run.device.type, dtype=dtype, enabled=dtype != torch.float32):
         hidden = run.wrapped(run.head.embed(batch.block_ids), batch.context_features, layout)  # [Q, H]
     rows = hidden[batch.label_rows].to(run.head.lm_head.dtype)  # [N, H]
-    return _loss(rows, run.head, batch, run.config.loss)
+    return _loss(rows, run.head, batch, run.config.loss, run.model)
 
 
-def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig):
+def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model: DFlashDrafter | None = None):
     """(summed weighted loss, student argmax [N] in token ids) for the labelled rows, logits
-    never formed; a draft vocabulary's head scores the teacher remapped to its rows."""
+    never formed; a draft vocabulary's head scores the teacher remapped to its rows. A DSpark
+    `model` adds its Markov bias through [rows; markov_w1[prev]] and [head; markov_w2]
+    (train/dspark.py), and its confidence head's loss."""
     ids, logprobs, weights = batch.topk_ids, batch.topk_logprobs, batch.weights
+    embed, backbone_rows = None, rows
+    if model is not None and dspark.is_dspark(model):
+        rows, weight, embed = dspark.loss_operands(model, rows, head, batch.label_tokens)
+        head = dataclasses.replace(head, lm_head=weight)
     if head.draft_ids is None:
         top1 = _top1(batch)
     else:
@@ -545,6 +557,8 @@ def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig):
         loss, argmax = sparse_kl_loss(rows, head.lm_head, ids, logprobs, weights, tail="bucket", reduction="sum",
                                       ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
                                       return_argmax=True)
+    if embed is not None and model.confidence_head is not None:
+        loss = loss + dspark.confidence_loss(model, backbone_rows, embed, rows, head.lm_head, ids, logprobs, weights)
     return loss, head.to_target(argmax)
 
 
@@ -555,15 +569,17 @@ def _top1(batch) -> torch.Tensor:
 
 def _step_figures(run: Run, batch, loss_sum: torch.Tensor, argmax: torch.Tensor,
                   weight_sum: torch.Tensor) -> tuple[float, list[float | None]]:
-    """(global weighted mean loss, accuracy per block position 1..B-1) of a step (collective)."""
+    """(global weighted mean loss, accuracy per drafting block position: 1..B-1, DSpark 0..B-1)
+    of a step (collective)."""
     B = run.config.model.block_size
+    first = B - run.drafter_config.num_drafts  # the first block position that drafts
     hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
     correct = torch.bincount(batch.label_positions, weights=hit.double(), minlength=B)
     counted = torch.bincount(batch.label_positions, minlength=B).double()
     figures = _all_reduce(torch.cat([loss_sum.detach().double()[None], correct, counted]), run.world_size)
     loss = float(figures[0] / weight_sum)
     accuracy = [float(c / n) if n > 0 else None
-                for c, n in zip(figures[2:B + 1].tolist(), figures[B + 2:].tolist())]
+                for c, n in zip(figures[1 + first:B + 1].tolist(), figures[B + 1 + first:].tolist())]
     return loss, accuracy
 
 
@@ -676,6 +692,7 @@ def evaluate_held_out(run: Run) -> dict:
     online greedy acceptance for those anchors.
     """
     B, plan, device = run.config.model.block_size, run.eval_plan, run.device
+    first = B - run.drafter_config.num_drafts  # the first block position that drafts (DSpark: 0)
     steps = min(plan.steps_per_epoch, math.ceil(run.config.eval.eval_tokens / run.config.data.tokens_per_step))
     was_training = run.wrapped.training
     run.wrapped.eval()
@@ -687,7 +704,7 @@ def evaluate_held_out(run: Run) -> dict:
         hit = argmax == _top1(batch)  # [N] bool
         match = torch.zeros(layout.num_queries, dtype=torch.bool, device=device)  # [Q]
         match[batch.label_rows] = hit
-        accepted = match.view(-1, B)[:, 1:].long().cumprod(dim=1).sum(dim=1)  # [n_blocks]
+        accepted = match.view(-1, B)[:, first:].long().cumprod(dim=1).sum(dim=1)  # [n_blocks]
         totals += torch.cat([
             torch.stack([loss_sum.double(), batch.weights.sum().double(),
                          torch.tensor(float(accepted.numel()), dtype=torch.float64, device=device),
@@ -700,7 +717,7 @@ def evaluate_held_out(run: Run) -> dict:
     return {
         "loss": totals[0] / max(totals[1], 1e-30),
         "tau": 1.0 + totals[3] / max(totals[2], 1.0),
-        "accuracy": [c / n if n else None for c, n in zip(correct[1:], counted[1:])],
+        "accuracy": [c / n if n else None for c, n in zip(correct[first:], counted[first:])],
         "blocks": int(totals[2]),
     }
 

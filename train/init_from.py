@@ -246,6 +246,13 @@ def warm_start(drafter: DFlashDrafter, state: dict[str, torch.Tensor], source_co
     # source's, if it had one, is not carried over.
     state = {name: t for name, t in state.items() if name not in DRAFT_BUFFERS}
     state.update({name: t for name, t in drafter.state_dict().items() if name in DRAFT_BUFFERS})
+    # DSpark heads (train/dspark.py): a DFlash source warm-starts a DSpark drafter's backbone,
+    # whose heads keep their fresh initial weights; a DSpark source's heads go to a DSpark
+    # drafter only, and a DFlash drafter drops them.
+    heads = ("markov_head.", "confidence_head.")
+    own = drafter.state_dict()
+    state = {name: t for name, t in state.items() if not name.startswith(heads) or name in own}
+    state.update({name: t for name, t in own.items() if name.startswith(heads) and name not in state})
     if basis is not None:
         if basis.sha256() != c.feature_basis_sha256 or basis.rank != c.feature_width:
             raise ValueError(f"{where}: the basis is not the one the drafter reads (sha256 {c.feature_basis_sha256})")

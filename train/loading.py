@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from dflash.train.checkpoint import latest_checkpoint
+from dflash.train.dspark import make_drafter
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, STATE_FILE, WEIGHTS_FILE
 
 ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's qwen3_dspark loader (train/dspark.py)
 # The exported folder's files (export.py adds its model card, README.md).
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -66,7 +68,7 @@ def load_drafter(run: str | Path | None, checkpoint: str | Path | None = None, *
     if not weights.is_file():
         raise ValueError(f"{weights} does not exist: --checkpoint takes a RUN/{CHECKPOINTS_DIR}/step-N folder "
                          "or an exported drafter folder")
-    drafter = DFlashDrafter(drafter_config)
+    drafter = make_drafter(drafter_config)
     load_weights(drafter, load_file(str(weights)), weights)
     state = _read_json(checkpoint / STATE_FILE) if (checkpoint / STATE_FILE).is_file() else {}
     return LoadedDrafter(drafter.to(device), checkpoint, state.get("step"), fit_config)
@@ -87,8 +89,15 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
     def pick(name: str, default: Any = None) -> Any:
         return dflash.get(name, data.get(name, default))
 
-    if ARCHITECTURE not in (data.get("architectures") or []):
-        raise ValueError(f"{where}: architectures is {data.get('architectures')!r}, not [{ARCHITECTURE!r}]")
+    architectures = data.get("architectures") or []
+    is_dspark = DSPARK_ARCHITECTURE in architectures
+    if ARCHITECTURE not in architectures and not is_dspark:
+        raise ValueError(f"{where}: architectures is {architectures!r}, not [{ARCHITECTURE!r}] "
+                         f"or [{DSPARK_ARCHITECTURE!r}]")
+    if is_dspark and (data.get("sample_from_anchor", True) is not True or data.get("markov_rank") is None
+                      or (data.get("enable_confidence_head") and not data.get("confidence_head_with_markov"))):
+        raise ValueError(f"{where}: this DSpark drafter implements sample_from_anchor true, a markov_rank, and a "
+                         "confidence head with the Markov embedding; the checkpoint sets otherwise")
     unsupported = {
         "attention_bias": bool(data.get("attention_bias")),
         "dflash_config.causal": bool(dflash.get("causal")),
@@ -125,6 +134,8 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         initializer_range=float(data.get("initializer_range", 0.02)),
         draft_vocab_size=None if data.get("draft_vocab_size") in (None, data["vocab_size"])
         else int(data["draft_vocab_size"]),
+        markov_rank=int(data["markov_rank"]) if is_dspark else None,
+        confidence_head=bool(data.get("enable_confidence_head")) if is_dspark else False,
     )
 
 
@@ -155,7 +166,7 @@ def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
 
     path = Path(path)
     config = drafter_config_from_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path / HF_CONFIG_FILE))
-    drafter = DFlashDrafter(config)
+    drafter = make_drafter(config)
     load_weights(drafter, read_draft_vocab(load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE),
                  path / HF_WEIGHTS_FILE)
     return drafter.to(device=device, dtype=dtype)
@@ -178,5 +189,6 @@ def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: 
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-__all__ = ["ARCHITECTURE", "HF_CONFIG_FILE", "HF_WEIGHTS_FILE", "LoadedDrafter", "drafter_config_from_hf",
+__all__ = ["ARCHITECTURE", "DSPARK_ARCHITECTURE", "HF_CONFIG_FILE", "HF_WEIGHTS_FILE", "LoadedDrafter",
+           "drafter_config_from_hf",
            "is_exported", "load_drafter", "load_exported", "load_weights", "read_draft_vocab"]

@@ -91,6 +91,13 @@ class DrafterConfig:
     """Rows of the drafter's own head when it drafts from a draft vocabulary (the buffers
     `draft_head`, the target LM head's rows of those tokens, and `draft_ids`, their target
     ids; train/draft_vocab.py); None: it scores the target's whole head."""
+    markov_rank: int | None = None
+    """DSpark (train/dspark.py): rank r of the Markov head (markov_w1 [V, r], markov_w2
+    [V_draft, r]); None: a DFlash drafter. A DSpark block is the anchor and block_size - 1
+    masks, and every position predicts the next token (block_size drafts)."""
+    confidence_head: bool = False
+    """DSpark: also a confidence head (a linear map of [hidden; markov_w1[previous token]] to
+    the logit of the position's acceptance probability)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -120,7 +127,17 @@ class DrafterConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
             raise ValueError(f"draft_vocab_size must lie in [1, {self.vocab_size}) (the target's vocabulary), got "
                              f"{self.draft_vocab_size}: drop --draft-vocab to draft from the whole vocabulary")
+        if self.markov_rank is not None and self.markov_rank < 1:
+            raise ValueError(f"DrafterConfig.markov_rank must be >= 1 (or None for DFlash), got {self.markov_rank}")
+        if self.confidence_head and self.markov_rank is None:
+            raise ValueError("DrafterConfig.confidence_head is a DSpark head: set markov_rank too")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    @property
+    def num_drafts(self) -> int:
+        """Tokens one block drafts: block_size - 1 (DFlash: the anchor is the bonus token), or
+        block_size (DSpark: the anchor's own position predicts too)."""
+        return self.block_size if self.markov_rank is not None else self.block_size - 1
 
     @property
     def context_width(self) -> int:
@@ -138,6 +155,8 @@ class DrafterConfig:
             del data["feature_width"], data["feature_basis_sha256"]
         if data["draft_vocab_size"] is None:  # so do whole-vocabulary drafters
             del data["draft_vocab_size"]
+        if data["markov_rank"] is None:  # and DFlash drafters
+            del data["markov_rank"], data["confidence_head"]
         return data
 
     @classmethod

@@ -78,6 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.shards import hidden_state_index
+from dflash.train.dspark import is_dspark, sequential_drafts
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 
 SMALL_ROWS = 16
@@ -191,9 +192,13 @@ class DrafterProposer:
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
         device = self.head.embed_tokens.device
-        block = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        dspark = is_dspark(self.drafter)  # its block: the anchor and block_size - 2 masks, all drafting
+        queries = block_size - 1 if dspark else block_size
+        block = torch.full((1, queries), self.mask_token_id, dtype=torch.long, device=device)  # [1, B]
         block[0, 0] = anchor_token
         hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, B, H]
+        if dspark:
+            return sequential_drafts(self.drafter, hidden, block[:, 0], self.head, linear=rows_linear)[0].tolist()
         lm_head = self.head.lm_head.to(hidden.dtype)  # [V, H] (a draft vocabulary: [V_d, H])
         logits = rows_linear(hidden[0, 1:], lm_head)  # [B-1, V]: the decoding loop's small-row product
         return self.head.to_target(logits.argmax(-1)).tolist()

@@ -1,0 +1,198 @@
+"""The DSpark drafter: the DFlash backbone, a low-rank Markov head and an optional confidence head.
+
+DSpark (deepseek-ai/DeepSpec) keeps the DFlash drafter (train/model.py) and makes each draft
+see the one before it. The semantics are vLLM's `qwen3_dspark.py` and its DSpark speculator
+(`vllm/v1/worker/gpu/spec_decode/dspark/`), with `sample_from_anchor` true, vLLM's default:
+
+- A block of size N is the anchor x[a] (the last committed token) and N - 1 mask tokens at
+  positions a..a+N-1; block position i predicts the *next* token, x[a+i+1], so one block
+  drafts N tokens (DFlash's block of N drafts N - 1: its anchor predicts nothing). The context
+  is the target's features at positions < a, as in DFlash.
+- Markov head: `markov_w1` [V, r] embeds a target token id, `markov_w2` [V_draft, r] maps
+  the embedding to a bias on the draft logits. Position i's logits are
+  `lm_head(h_i) + markov_w2 @ markov_w1[t_i]`, t_i the token at position a+i: the anchor for
+  i = 0, then the token drafted at i - 1. Drafting is left to right (`sequential_drafts`):
+  position i's argmax needs t_i, which is position i-1's argmax (mapped to its target id when
+  drafting from a draft vocabulary).
+- Confidence head (optional): `proj` maps [h_i; markov_w1[t_i]] to a logit of the
+  probability that draft i is accepted (vLLM's `confidence_head_with_markov`); vLLM reads it
+  for adaptive verification only, never for the drafts themselves.
+
+Training (train/fit.py): the previous token is teacher-forced, t_i = x[a+i], the cached
+sequence's own token, as speculators' DSpark trains it. The Markov bias then enters the same
+fused sparse-KL loss as the backbone's logits, through concatenation:
+`[h; e] @ [W_head; markov_w2]^T = h W_head^T + markov_w2 e` with e = markov_w1[t] ([N, r]),
+so the loss kernel sees hidden [N, H + r] and a head [V_draft, H + r] whose last r columns
+need a gradient (the kernel's dW path: 8NHV flops instead of 4NHV, the price of not
+writing a second kernel). The confidence head is trained by binary cross-entropy towards the
+position's acceptance rate under rejection sampling, sum_v min(p_v, q_v) = 1 - TV(p, q), as
+the paper and speculators do; from a cache that holds only the target's top-k, the sum runs
+over the top-k ids (a lower bound, exact when the target's tail mass is 0). It is detached:
+the confidence loss trains the confidence head alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
+
+
+class MarkovHead(nn.Module):
+    """markov_w1 [V, r] (an embedding of the previous token's target id), markov_w2
+    [V_draft, r] (its bias on the draft logits), named as vLLM's DSparkMarkovHead."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[...] target ids -> [..., r]."""
+        return self.markov_w1(token_ids)
+
+    def bias(self, embed: torch.Tensor) -> torch.Tensor:
+        """[..., r] -> [..., V_draft] in fp32."""
+        return embed.float() @ self.markov_w2.weight.float().T
+
+
+class ConfidenceHead(nn.Module):
+    """proj: [H + r] -> 1 (with bias), vLLM's DSparkConfidenceHead with with_markov true."""
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """[N, H], [N, r] -> [N] fp32 logits."""
+        x = torch.cat([hidden.float(), embed.float()], dim=-1)
+        return (x @ self.proj.weight.float().T)[:, 0] + self.proj.bias.float()
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DFlashDrafter plus `markov_head` (and `confidence_head` when config.confidence_head).
+
+    The backbone's forward and inference calls are DFlashDrafter's; the heads act on its
+    output rows (`sequential_drafts` at inference, train/fit.py's loss in training).
+    """
+
+    def __init__(self, config: DrafterConfig, **kwargs):
+        assert config.markov_rank is not None, "a DSpark drafter needs markov_rank"
+        super().__init__(config, **kwargs)
+        r = config.markov_rank
+        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size or config.vocab_size, r)
+        self.confidence_head = ConfidenceHead(config.hidden_size + r) if config.confidence_head else None
+        self.reset_heads()
+
+    def reset_heads(self) -> None:
+        """markov_w1 ~ N(0, 0.01) (speculators' choice), markov_w2 and proj ~ N(0,
+        initializer_range), proj's bias 0. Drawn after the backbone's weights, so a DSpark
+        and a DFlash drafter of one seed share their backbone's initial weights."""
+        nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
+        nn.init.normal_(self.markov_head.markov_w2.weight, std=self.config.initializer_range)
+        if self.confidence_head is not None:
+            nn.init.normal_(self.confidence_head.proj.weight, std=self.config.initializer_range)
+            nn.init.zeros_(self.confidence_head.proj.bias)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "markov_head"):  # (DFlashDrafter.__init__ calls this before the heads exist)
+            self.reset_heads()
+
+
+def make_drafter(config: DrafterConfig, **kwargs) -> DFlashDrafter:
+    """The drafter `config` describes: DSparkDrafter when it has a markov_rank, else DFlashDrafter."""
+    return (DSparkDrafter if config.markov_rank is not None else DFlashDrafter)(config, **kwargs)
+
+
+def is_dspark(drafter: nn.Module) -> bool:
+    return isinstance(drafter, DSparkDrafter)
+
+
+# -- training ------------------------------------------------------------------------------
+
+
+def anchor_batch(batch, block_size: int):
+    """A batch read with blocks of block_size + 1 (labels x[a+1..a+N], train/data.py's
+    alignment) -> the DSpark batch of blocks of N = block_size: ids [x[a], MASK x (N-1)],
+    label row k of an (N+1)-block becomes row k-1 of the N-block (position i predicts
+    x[a+i+1]), label_positions 0..N-1. Weights and labels are unchanged, so position i weighs
+    exp(-i/gamma), as DFlash's first draft weighs 1."""
+    N = block_size
+    blocks = batch.block_ids.shape[0] // (N + 1)
+    block_ids = batch.block_ids.view(blocks, N + 1)[:, :N].reshape(-1)  # [blocks*N]
+    b, k = batch.label_rows // (N + 1), batch.label_rows % (N + 1)
+    assert bool((k >= 1).all()), "a label on an anchor row"
+    return dataclasses.replace(batch, block_ids=block_ids, label_rows=b * N + k - 1, label_positions=k - 1)
+
+
+def loss_operands(drafter: DSparkDrafter, rows: torch.Tensor, head: TargetHead,
+                  prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [N, H + r], head [V_draft, H + r], markov embedding [N, r]) such that
+    hidden @ head.T = the DSpark logits: the backbone's rows through the frozen head plus the
+    Markov bias of each row's previous token (prev_tokens [N] target ids). The head's last r
+    columns are markov_w2, with its gradient."""
+    embed = drafter.markov_head.embed(prev_tokens)  # [N, r] fp32
+    dtype = head.lm_head.dtype
+    return (torch.cat([rows.to(dtype), embed.to(dtype)], dim=1),
+            torch.cat([head.lm_head, drafter.markov_head.markov_w2.weight.to(dtype)], dim=1), embed)
+
+
+def confidence_loss(drafter: DSparkDrafter, rows: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor,
+                    weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """Summed weighted BCE of the confidence logits towards the acceptance rate
+    sum_{v in top-k} min(p_v, q_v) (p the drafter's softmax of hidden @ weight.T, q the
+    target's cached top-k; ids [N, k] rows of `weight`, ids outside it marked by a -inf
+    log-prob). The target is detached; only the confidence head gets this loss's gradient."""
+    from dflash.kernels.reference import chunked_lse_gather, default_workspace_bytes
+
+    with torch.no_grad():
+        lse, z_sel, _ = chunked_lse_gather(hidden.detach(), weight.detach(), ids.long().clamp(min=0),
+                                           vocab_pass=True, dense_grad=False,
+                                           workspace_bytes=default_workspace_bytes(hidden.device))
+        p = torch.exp(z_sel.float() - lse.float()[:, None])  # [N, k]
+        q = torch.exp(logprobs.float())  # [N, k] (0 where -inf)
+        target = torch.minimum(p, q).sum(1).clamp(0.0, 1.0)  # [N]
+    logits = drafter.confidence_head(rows, embed)  # [N]
+    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    return (bce * weights).sum()
+
+
+# -- inference -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sequential_drafts(drafter: DSparkDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead,
+                      linear=None) -> torch.Tensor:
+    """Greedy DSpark drafts, left to right, as vLLM's DSpark speculator draws them at
+    temperature 0 (greedy draft sampling).
+
+    hidden [n, N, H] (the backbone's output for n blocks), anchors [n] target ids, head the
+    drafter's head (`head.for_drafter`). Position i's logits are the backbone's plus
+    markov_w2 @ markov_w1[t_i], t_0 the anchor and t_i the target id of draft i-1. `linear`
+    (x [m, H], w [V, H]) -> [m, V] computes the backbone's logits (default: a float32 matmul).
+    Returns [n, N] target ids.
+    """
+    n, N, H = hidden.shape
+    weight = head.lm_head
+    if linear is None:
+        base = hidden.float().reshape(n * N, H) @ weight.float().T  # [n*N, V_draft]
+    else:
+        base = linear(hidden.reshape(n * N, H), weight.to(hidden.dtype)).float()
+    base = base.view(n, N, -1)
+    prev = anchors.long()
+    drafts = []
+    for i in range(N):
+        logits = base[:, i] + drafter.markov_head.bias(drafter.markov_head.embed(prev))  # [n, V_draft]
+        prev = head.to_target(logits.argmax(-1))  # [n] target ids
+        drafts.append(prev)
+    return torch.stack(drafts, dim=1)
+
+
+__all__ = ["ConfidenceHead", "DSparkDrafter", "MarkovHead", "anchor_batch", "confidence_loss", "is_dspark",
+           "loss_operands", "make_drafter", "sequential_drafts"]
