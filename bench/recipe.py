@@ -17,6 +17,13 @@ demo's settings that morning) on the demo's basis-fp8 cache: the start (`--norm-
 `copy_target_layer`), feature noise, gamma, `--train-on all`, layers, steps, block 3, and 3x
 the data (`--more-data`); read them with `--baseline "demo (block 4)"`.
 
+The sliding-window rows (`sliding 16`, `sliding 32`, their controls) change the attention of
+the demo's settings against `demo (full attention)` on the demo's own cache:
+
+    python -m bench.recipe --cache .demo/cache --target .demo/smollm2-135m-instruct \\
+        --prompts .demo/chitchat.jsonl --work /tmp/recipe --baseline "demo (full attention)" \\
+        --variants sliding,causal
+
 Shares WORK/tau.jsonl with bench/feature_codecs.py: point both at one WORK (and the bf16
 cache of that bench) and the kl baseline runs once.
 """
@@ -105,6 +112,23 @@ VARIANTS.update({
     # alone changed nothing).
     "+ 3x human replies (1200 steps)": {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200,
                                        "draft_vocab": 4096, "extra_cache": HUMAN_CACHE},
+})
+
+# Sliding-window drafter layers against full attention at the same budget (`fit --layer-types`,
+# `--sliding-window`), on the demo's settings and its cache (--cache .demo/cache): read them
+# with --baseline "demo (full attention)". The demo's replies start at position 32 or later
+# (the chat template's system prompt), so a window of 16 truncates the context of every
+# anchor and 32 that of most. One layer: under the is_causal rule a sliding layer is also
+# causal inside the block, so the bidirectional row changes the window alone, and the
+# causal row the causality alone.
+DEMO_NOW = {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200, "draft_vocab": 4096}
+SLIDING = {"layer_types": ["sliding_attention"]}
+VARIANTS.update({
+    "demo (full attention)": DEMO_NOW,
+    "sliding 16": {**DEMO_NOW, **SLIDING, "sliding_window": 16},
+    "sliding 16 (bidirectional)": {**DEMO_NOW, **SLIDING, "sliding_window": 16, "is_causal": False},
+    "sliding 32": {**DEMO_NOW, **SLIDING, "sliding_window": 32},
+    "causal (full attention)": {**DEMO_NOW, "is_causal": True},
 })
 
 

@@ -166,7 +166,8 @@ def test_zlab_style_config_is_read(tmp_path):
 @pytest.mark.parametrize("change, field", [
     ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 3, "causal": True}}, "causal"),
+    ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 3, "attention_sink_bias": True}},
+     "attention_sink_bias"),
     ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
 ])
 def test_unsupported_checkpoints_are_refused(change, field):

@@ -128,12 +128,12 @@ def step0_state(cache_dir: Path, run: Path, init_from: Path) -> dict:
     return load_file(list_checkpoints(run)[0] / "model.safetensors")
 
 
-def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
-    """config.json as z-lab publishes it (torch_dtype, top-level block_size, dflash_config) and
-    bfloat16 weights, both written here, not by our export."""
-    folder = tmp_path / "z-lab"
+def write_zlab_folder(folder: Path, num_layers: int = 2, **changes) -> dict[str, torch.Tensor]:
+    """config.json as z-lab publishes it (torch_dtype, top-level block_size, dflash_config),
+    updated by `changes`, and bfloat16 weights, both written here, not by our export; returns
+    the weights."""
     folder.mkdir()
-    L, H, F, V = 2, 32, 64, 64
+    L, H, F, V = num_layers, 32, 64, 64
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
         "dflash_config": {"mask_token_id": 62, "target_layer_ids": [0, 2, 4]}, "num_target_layers": 6,
@@ -141,7 +141,7 @@ def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
         "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "rope_theta": 1_000_000, "vocab_size": V, "max_position_embeddings": 40960, "attention_bias": False,
         "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "use_cache": True, "transformers_version": "4.57.1",
+        "use_cache": True, "transformers_version": "4.57.1", **changes,
     }
     (folder / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(5)
@@ -156,10 +156,72 @@ def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
                    p + "post_attention_layernorm.weight": (H,)}
     tensors = {name: (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16) for name, shape in shapes.items()}
     save_file(tensors, str(folder / "model.safetensors"))
-    state = step0_state(cache_dir, tmp_path / "run", folder)
+    return tensors
+
+
+def test_a_hand_written_zlab_folder_loads(cache_dir, tmp_path):
+    tensors = write_zlab_folder(tmp_path / "z-lab")
+    state = step0_state(cache_dir, tmp_path / "run", tmp_path / "z-lab")
     assert state.keys() == tensors.keys()
     assert all(torch.equal(state[k], tensors[k].float()) for k in tensors)
     assert json.loads((tmp_path / "run" / "drafter_config.json").read_text())["mask_token_id"] == 62
+
+
+# z-lab's Qwen3.6-27B drafter's layout: 4 sliding_attention + 1 full_attention, window 2048, no is_causal.
+QWEN36_LAYOUT = dict(layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
+                     use_sliding_window=True)
+
+
+def test_a_sliding_window_zlab_drafter_is_read_with_its_layout(cache_dir, tmp_path):
+    """The run takes the source's layers, window and the is_causal rule (sliding layers causal)."""
+    tensors = write_zlab_folder(tmp_path / "z-lab", num_layers=5, **QWEN36_LAYOUT)
+    state = step0_state(cache_dir, tmp_path / "run", tmp_path / "z-lab")
+    assert all(torch.equal(state[k], tensors[k].float()) for k in tensors)
+    saved = json.loads((tmp_path / "run" / "drafter_config.json").read_text())
+    assert (saved["layer_types"], saved["sliding_window"], saved.get("is_causal")) == (
+        QWEN36_LAYOUT["layer_types"], 2048, None)
+    start = step0(tmp_path / "run")
+    assert [start.config.layer_attention(i) for i in range(5)] == [(2048, True)] * 4 + [(None, False)]
+    run_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (run_config["num_layers"], run_config["layer_types"], run_config["sliding_window"]) == (
+        5, QWEN36_LAYOUT["layer_types"], 2048)
+    exported = json.loads((export_run(tmp_path / "run", tmp_path / "export") / "config.json").read_text())
+    assert (exported["layer_types"], exported["sliding_window"], exported["use_sliding_window"]) == (
+        QWEN36_LAYOUT["layer_types"], 2048, True)
+
+
+def test_the_flags_override_the_sources_layout(cache_dir, tmp_path):
+    write_zlab_folder(tmp_path / "z-lab", num_layers=5, **QWEN36_LAYOUT)
+    warm(cache_dir, tmp_path / "run", tmp_path / "z-lab", sliding_window=8, is_causal=False)
+    c = step0(tmp_path / "run").config
+    assert [c.layer_attention(i) for i in range(5)] == [(8, False)] * 4 + [(None, False)]
+    warm(cache_dir, tmp_path / "full", tmp_path / "z-lab", layer_types=["full_attention"] * 5)
+    c = step0(tmp_path / "full").config
+    assert (c.layer_types, c.sliding_window, c.is_causal) == (None, None, None)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(architectures=["DFlash2DraftModel"],
+          dflash_config={"mask_token_id": 62, "target_layer_ids": [0, 2, 4], "conv_kernel_size": 2,
+                         "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}),
+     r"config.json: the checkpoint sets \['dflash_config.conv_kernel_size', .*'dflash_config.selector_top_k'\] "
+     r"\(architectures \['DFlash2DraftModel'\]\): DFlash2's local convolutions and candidate selector"),
+    (dict(dflash_config={"mask_token_id": 62, "target_layer_ids": [0, 2, 4], "attention_sink_bias": True}),
+     r"config.json: .* the checkpoint sets \['dflash_config.attention_sink_bias'\]"),
+    (dict(use_sliding_window=False), r"config.json: layer_types has sliding_attention layers but no window"),
+])
+def test_a_layout_that_cannot_be_honoured_is_refused_by_name(cache_dir, tmp_path, changes, message):
+    write_zlab_folder(tmp_path / "z-lab", num_layers=5, **{**QWEN36_LAYOUT, **changes})
+    with pytest.raises(ValueError, match=r"--init-from .*z-lab/" + message):
+        warm(cache_dir, tmp_path / "run", tmp_path / "z-lab")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_from_scratch_takes_its_layer_types(cache_dir, tmp_path):
+    warm(cache_dir, tmp_path / "run", None, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    c = step0(tmp_path / "run").config
+    assert (c.num_hidden_layers, c.layer_types, c.sliding_window, c.is_causal) == (
+        2, ["sliding_attention", "full_attention"], 6, None)
 
 
 # -- onto a basis cache ---------------------------------------------------------------------

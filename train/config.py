@@ -28,7 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.shards.options import NONE_WORD, PATH, RESUMABLE, FieldInfo, check_choices, describe, field_docs, resumable
+from dflash.shards.options import (
+    METAVAR,
+    NONE_WORD,
+    PATH,
+    RESUMABLE,
+    SEPARATOR,
+    FieldInfo,
+    check_choices,
+    describe,
+    field_docs,
+    resumable,
+)
 from dflash.train.gating import GatingConfig
 
 DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
@@ -69,6 +80,19 @@ class ModelConfig:
     of N rows (the target's rows of them, frozen) makes the loss and each draft ~V/N times
     cheaper; the export adds `lm_head.weight` and `d2t`, which vLLM serves and z-lab's code
     does not load. None: the target's whole head (train/draft_vocab.py)."""
+    layer_types: list[str] | None = field(default=None, metadata={NONE_WORD: "auto", SEPARATOR: ",",
+                                                                  METAVAR: "auto|TYPES"})
+    """Attention of each drafter layer, comma-separated, full_attention or sliding_attention (e.g.
+    sliding_attention,sliding_attention,full_attention; its length sets num_layers); auto: the
+    --init-from source's, else every layer full_attention."""
+    sliding_window: int | None = field(default=None, metadata=AUTO)
+    """Positions a sliding_attention layer's query reaches back: it sees keys at positions k >
+    p - sliding_window of its own position p (z-lab's, vLLM's and Hugging Face's meaning); auto:
+    the --init-from source's; needed when a layer slides."""
+    is_causal: bool | None = field(default=None, metadata=AUTO)
+    """Causal attention inside the block in every layer (on) or bidirectional in every layer (off);
+    auto: the --init-from source's, else causal in sliding_attention layers only (how z-lab's
+    reference and vLLM read a drafter config without is_causal)."""
 
     drafter: Literal["dflash", "dspark"] = "dflash"
     """dflash, or dspark: the DFlash backbone plus a Markov head (each draft's logits get a
@@ -85,6 +109,16 @@ class ModelConfig:
         _positive(self, "markov_rank")
         if self.confidence_head and self.drafter != "dspark":
             raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
+        if self.layer_types is not None:
+            unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if unknown or not self.layer_types:
+                raise ValueError(f"fit config: layer_types takes full_attention or sliding_attention per layer, "
+                                 f"got {self.layer_types}")
+            if self.num_layers is not None and self.num_layers != len(self.layer_types):
+                raise ValueError(f"fit config: num_layers {self.num_layers} and the {len(self.layer_types)} "
+                                 "layer_types disagree: give one type per layer (or drop --num-layers)")
+        if self.sliding_window is not None:
+            _positive(self, "sliding_window")
         if self.draft_vocab is not None:
             _positive(self, "draft_vocab")
         if self.num_layers is not None:

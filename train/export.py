@@ -6,12 +6,19 @@ The folder holds what z-lab/dflash's `DFlashDraftModel.from_pretrained` and the 
 engines that adopted its format read:
 
 - `config.json`: a Qwen3 config (`model_type: "qwen3"`, every attention/MLP/norm/RoPE field
-  written out, RoPE both as `rope_parameters` and as the older top-level `rope_theta`, all
-  layers `full_attention`) plus the DFlash fields: `architectures: ["DFlashDraftModel"]`,
+  written out, RoPE both as `rope_parameters` and as the older top-level `rope_theta`) plus
+  the DFlash fields: `architectures: ["DFlashDraftModel"]`,
   top-level `block_size` and `num_target_layers`, and `dflash_config` with
   `target_layer_ids` (the target decoder layers whose outputs feed the drafter, in feature
   order; Hugging Face `hidden_states[id + 1]`) and `mask_token_id` (a row of the target's
   embedding).
+- The attention layout, as z-lab's reference and vLLM's DFlash loader read it: `layer_types`
+  (one per layer), `sliding_window` and `use_sliding_window` (true when a layer slides:
+  transformers' Qwen3Config drops `sliding_window` without it); causality as the drafter's
+  `is_causal`: unset, the layer rule (sliding layers causal, full ones bidirectional, and
+  `dflash_config.causal: false` when no layer slides, as before); set, top-level `is_causal`
+  and `dflash_config.causal` both (vLLM reads `is_causal` first, then `dflash_config.causal`;
+  z-lab's reference `is_causal` only).
 - `model.safetensors`: the drafter's parameters in bfloat16 by default (`--dtype`), under z-lab's names (`fc.weight`,
   `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
   `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
@@ -54,7 +61,7 @@ from dflash.train.loading import (
     LoadedDrafter,
     load_drafter,
 )
-from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import eval_results_path, held_out_eval
 
 ExportDtype = Literal["bfloat16", "float32", "float16"]
@@ -76,6 +83,8 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
     import transformers
 
     n = config.num_hidden_layers
+    sliding = config.layer_types is not None
+    causal = {} if config.is_causal is None and sliding else {"causal": bool(config.is_causal)}
     data: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -87,7 +96,7 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
             "block_size": config.block_size,
-            "causal": False,
+            **causal,
             "use_swa": False,
         },
         "hidden_size": config.hidden_size,
@@ -104,9 +113,9 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * n,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": config.layer_types or [FULL_ATTENTION] * n,
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window,
         "max_window_layers": n,
         "tie_word_embeddings": False,
         "initializer_range": config.initializer_range,
@@ -114,6 +123,8 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
+    if config.is_causal is not None:
+        data["is_causal"] = config.is_causal
     if config.draft_vocab_size is not None:  # vLLM's DFlash loader: its own head of these rows, and d2t
         data["draft_vocab_size"] = config.draft_vocab_size
     if config.markov_rank is not None:
@@ -267,7 +278,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "",
         f"Shape: {_plural(c.num_hidden_layers, 'Qwen3-style layer')}, hidden {c.hidden_size}, MLP "
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
-        f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}.",
+        f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}." + _attention_sentence(c),
         "",
         *(_dspark_lines(c) if c.markov_rank is not None else []),
         *(_serving_lines(c, target) if c.markov_rank is None else _dspark_serving_lines(c, target)),
@@ -303,6 +314,15 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "",
     ]
     return "\n".join(lines)
+
+
+def _attention_sentence(c: DrafterConfig) -> str:
+    """The layout of the layers' attention, when it is not every layer full and bidirectional."""
+    if c.layer_types is None and c.is_causal is None:
+        return ""
+    kinds = [("sliding window " + str(window) if window else "full") + (", causal" if causal else ", bidirectional")
+             for window, causal in map(c.layer_attention, range(c.num_hidden_layers))]
+    return f" Attention by layer: {'; '.join(kinds)} inside the block."
 
 
 def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:

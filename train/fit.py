@@ -57,6 +57,7 @@ from dflash.train.identity import caches_fingerprint, record_run_target
 from dflash.train.init_from import (
     InitSource,
     adopt,
+    attention_fields,
     load_state,
     model_fields,
     record_source,
@@ -429,12 +430,18 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     warm-starting, checked against the source), checked against the cache's spec."""
     spec = corpus.spec
     mask_given = model.mask_token_id is not None
-    num_layers, mask_token_id = model_fields(source, num_layers=model.num_layers, mask_token_id=model.mask_token_id,
+    given_layers = model.num_layers if model.layer_types is None else len(model.layer_types)
+    num_layers, mask_token_id = model_fields(source, num_layers=given_layers, mask_token_id=model.mask_token_id,
                                              default_num_layers=DEFAULT_NUM_LAYERS)
-    model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id)
+    layer_types, sliding_window, is_causal = attention_fields(source, layer_types=model.layer_types,
+                                                              sliding_window=model.sliding_window,
+                                                              is_causal=model.is_causal)
+    model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id, layer_types=layer_types,
+                                sliding_window=sliding_window, is_causal=is_causal)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
                                                block_size=model.block_size, mask_token_id=model.mask_token_id)
-    drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab)
+    drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab, layer_types=layer_types,
+                                         sliding_window=sliding_window, is_causal=is_causal)
     if model.drafter == "dspark":
         drafter_config = dataclasses.replace(drafter_config, markov_rank=model.markov_rank,
                                              confidence_head=model.confidence_head)

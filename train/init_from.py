@@ -9,7 +9,12 @@ schedule and the data order start fresh.
 The run takes from the source what its weights were trained with: the layer count (unless
 `--num-layers` says otherwise, which is refused when it differs), the mask token (unless
 `--mask-token-id` overrides it; a source mask token that is a stop, pad, bos or chat-template
-token of this target is refused), RMSNorm epsilon and RoPE theta. The block size may differ
+token of this target is refused), RMSNorm epsilon and RoPE theta, and its attention layout
+(`layer_types`, `sliding_window`, `is_causal`, each unless its flag overrides it; read as
+z-lab's reference and vLLM read them, loading.py's `attention_layout`: a `sliding_attention`
+layer without `is_causal` is causal). What a source uses that this drafter lacks (DFlash2's
+convolutions and candidate selector, attention sinks, scaled embeddings, values or logits,
+other layer types) is refused by name (loading.py's `drafter_config_from_hf`). The block size may differ
 (the weights do not depend on it). Every shape the weights imply must equal this run's, and
 `target_layer_ids` must be the cache's feature layers: each mismatch is a one-line refusal
 naming the field. A cache of another target than the source's is the point (adapting a
@@ -46,7 +51,7 @@ from dflash.shards.target_info import TargetInfo
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.identity import RUN_INFO_FILE, read_run_info
 from dflash.train.mask_token import mask_token_refusal
-from dflash.train.model import DRAFT_BUFFERS, DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 
 RECORD_KEY = "init_from"
 # The shape fields the weights imply, with what to do when the source's differs from the run's.
@@ -189,6 +194,22 @@ def model_fields(source: InitSource | None, *, num_layers: int | None, mask_toke
     return source.config.num_hidden_layers, (source.config.mask_token_id if mask_token_id is None else mask_token_id)
 
 
+def attention_fields(source: InitSource | None, *, layer_types: list[str] | None, sliding_window: int | None,
+                     is_causal: bool | None) -> tuple[list[str] | None, int | None, bool | None]:
+    """(layer_types, sliding_window, is_causal) for the run: each given one, else the source's
+    (a window only where a layer slides); without a source, the given ones (None: full,
+    bidirectional). The weights do not depend on them, so a given one may differ from the
+    source's."""
+    if source is None:
+        return layer_types, sliding_window, is_causal
+    c = source.config
+    layer_types = c.layer_types if layer_types is None else layer_types
+    slides = layer_types is not None and SLIDING_ATTENTION in layer_types
+    if sliding_window is None and slides:
+        sliding_window = c.sliding_window
+    return layer_types, sliding_window, c.is_causal if is_causal is None else is_causal
+
+
 def adopt(config: DrafterConfig, source: InitSource, *, target_dir: str | Path, mask_given: bool) -> DrafterConfig:
     """The run's drafter config checked against the source's and given its trained-with
     numerics (rms_norm_eps, rope_theta); ValueError naming the first field that differs."""
@@ -267,5 +288,5 @@ def record_source(run_dir: str | Path, source: InitSource) -> None:
     write_json_atomic(path, {**read_run_info(run_dir), RECORD_KEY: source.record()}, indent=1)
 
 
-__all__ = ["InitSource", "adopt", "check_compatible", "file_sha256", "load_state", "model_fields", "read_source",
-           "record_source", "resolve_source", "unfold_basis", "warm_start"]
+__all__ = ["InitSource", "adopt", "attention_fields", "check_compatible", "file_sha256", "load_state", "model_fields",
+           "read_source", "record_source", "resolve_source", "unfold_basis", "warm_start"]

@@ -20,7 +20,7 @@ import torch
 
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.dspark import make_drafter
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, STATE_FILE, WEIGHTS_FILE
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -28,6 +28,9 @@ DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's qwen3_dspark loader (train/ds
 # The exported folder's files (export.py adds its model card, README.md).
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
+# DFlash2's config fields (vLLM's qwen3_dflash2.py, speculators' dflash2): its grouped local
+# convolutions and candidate selector, which this drafter does not have.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -89,6 +92,10 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
     def pick(name: str, default: Any = None) -> Any:
         return dflash.get(name, data.get(name, default))
 
+    dflash2 = [f"dflash_config.{name}" for name in DFLASH2_FIELDS if pick(name) is not None]
+    if dflash2:
+        raise ValueError(f"{where}: the checkpoint sets {dflash2} (architectures {data.get('architectures')!r}): "
+                         "DFlash2's local convolutions and candidate selector are not implemented here")
     architectures = data.get("architectures") or []
     is_dspark = DSPARK_ARCHITECTURE in architectures
     if ARCHITECTURE not in architectures and not is_dspark:
@@ -100,17 +107,26 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
                          "confidence head with the Markov embedding; the checkpoint sets otherwise")
     unsupported = {
         "attention_bias": bool(data.get("attention_bias")),
-        "dflash_config.causal": bool(dflash.get("causal")),
-        "dflash_config.use_swa": bool(dflash.get("use_swa")),
-        "layer_types": any(t != "full_attention" for t in data.get("layer_types") or []),
         "rope_parameters.rope_type": (data.get("rope_parameters") or {}).get("rope_type", "default") != "default",
-        "is_causal": bool(data.get("is_causal")),
         "hidden_act": data.get("hidden_act", "silu") != "silu",
+        # vLLM's DFlash loader (also z-lab's reference: output_multiplier, final_logit_softcapping)
+        "dflash_config.attention_sink_bias": bool(dflash.get("attention_sink_bias",
+                                                             data.get("add_swa_attention_sink_bias"))),
+        "dflash_config.attention_value_scale": dflash.get("attention_value_scale") is not None,
+        "dflash_config.input_embedding_scale": float(pick("input_embedding_scale", 1.0)) != 1.0,
+        "dflash_config.output_multiplier": float(pick("output_multiplier", 1.0)) != 1.0,
+        "dflash_config.final_logit_softcapping": bool(pick("final_logit_softcapping")),
+        "dflash_config.sample_from_anchor": bool(pick("sample_from_anchor")) and not is_dspark,  # DSpark's layout
+        "is_neox_style": not data.get("is_neox_style", True),
+        "logit_scale": float(data.get("logit_scale", 1.0)) != 1.0,
+        "target_hidden_size": data.get("target_hidden_size") not in (None, data.get("hidden_size")),
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
-        raise ValueError(f"{where}: this drafter implements full bidirectional attention without bias, "
-                         f"default RoPE and SiLU; the checkpoint sets {bad}")
+        raise ValueError(f"{where}: this drafter implements Qwen3-style attention without bias or sinks, "
+                         f"default half-split RoPE, SiLU and unscaled embeddings, values and logits; the "
+                         f"checkpoint sets {bad}")
+    layer_types, sliding_window, is_causal = attention_layout(data, where)
     for name in ("target_layer_ids", "mask_token_id"):
         if pick(name) is None:
             raise ValueError(f"{where}: dflash_config.{name} is missing")
@@ -136,7 +152,43 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         else int(data["draft_vocab_size"]),
         markov_rank=int(data["markov_rank"]) if is_dspark else None,
         confidence_head=bool(data.get("enable_confidence_head")) if is_dspark else False,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        is_causal=is_causal,
     )
+
+
+def attention_layout(data: dict[str, Any], where: str) -> tuple[list[str] | None, int | None, bool | None]:
+    """(layer_types, sliding_window, is_causal) of a DFlash config.json, read as vLLM's DFlash
+    loader reads them (`_resolve_layer_attention`): `layer_types`, or every layer sliding
+    under `dflash_config.use_swa`; the window from `dflash_config.swa_window_size`, else the
+    top-level `sliding_window`, which transformers' Qwen3Config keeps only with
+    `use_sliding_window`; causality from `is_causal`, else `dflash_config.causal`, else None
+    (the rule: sliding layers causal). ValueError naming the field for what cannot be honoured."""
+    dflash = data.get("dflash_config") or {}
+    n = int(data["num_hidden_layers"])
+    layer_types = data.get("layer_types")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown or len(layer_types) != n:
+            raise ValueError(f"{where}: layer_types {layer_types} is not one of {FULL_ATTENTION!r} or "
+                             f"{SLIDING_ATTENTION!r} per layer ({n} layers): this drafter implements those two")
+    if layer_types is None or (dflash.get("use_swa") and SLIDING_ATTENTION not in layer_types):
+        layer_types = [SLIDING_ATTENTION if dflash.get("use_swa") else FULL_ATTENTION] * n
+    window = None
+    if SLIDING_ATTENTION in layer_types:
+        window = dflash.get("swa_window_size")
+        if window is None and data.get("use_sliding_window"):
+            window = data.get("sliding_window")
+        if window is None:
+            raise ValueError(f"{where}: layer_types has {SLIDING_ATTENTION} layers but no window: set sliding_window "
+                             "with use_sliding_window true (transformers' Qwen3Config drops sliding_window without "
+                             "it, and vLLM then refuses the folder), or dflash_config.swa_window_size")
+        window = int(window)
+    causal = data.get("is_causal")
+    if causal is None:
+        causal = dflash.get("causal")
+    return layer_types, window, None if causal is None else bool(causal)
 
 
 def read_draft_vocab(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
@@ -189,6 +241,6 @@ def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: 
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-__all__ = ["ARCHITECTURE", "DSPARK_ARCHITECTURE", "HF_CONFIG_FILE", "HF_WEIGHTS_FILE", "LoadedDrafter",
-           "drafter_config_from_hf",
+__all__ = ["ARCHITECTURE", "DFLASH2_FIELDS", "DSPARK_ARCHITECTURE", "HF_CONFIG_FILE", "HF_WEIGHTS_FILE",
+           "LoadedDrafter", "attention_layout", "drafter_config_from_hf",
            "is_exported", "load_drafter", "load_exported", "load_weights", "read_draft_vocab"]

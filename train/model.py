@@ -12,6 +12,11 @@ structure, with the same parameter names so that export is a rename-free save):
 - Attention is bidirectional inside a block. A query of the block anchored at position `a`
   sees the context positions `j < a` (strictly: at inference the anchor is the token the
   target just produced, whose features do not exist yet) and its own block, nothing else.
+- Layers may be sliding-window (`layer_types`, `sliding_window`) and causal inside the block
+  (`is_causal`), as z-lab's reference and vLLM's DFlash read those config fields: a query at
+  absolute position p sees a key at position k only when p - k < sliding_window (and, in a
+  bidirectional layer, k - p < sliding_window); a causal layer adds k <= p. A
+  `sliding_attention` layer is causal unless `is_causal` says otherwise (`layer_attention`).
 - SwiGLU MLP, pre-norm residuals, a final `norm`. The embedding and the LM head are the
   target's, frozen, and are not parameters of this module (`TargetHead` holds them).
 
@@ -46,6 +51,7 @@ from dflash.shards.layout import HEAD_FILE
 from dflash.train.mask_token import choose_mask_token_id, read_target_json
 
 AttentionImpl = Literal["auto", "flex", "dense"]
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # Hugging Face's layer_types
 
 
 @dataclass(kw_only=True)
@@ -98,6 +104,16 @@ class DrafterConfig:
     confidence_head: bool = False
     """DSpark: also a confidence head (a linear map of [hidden; markov_w1[previous token]] to
     the logit of the position's acceptance probability)."""
+    layer_types: list[str] | None = None
+    """Attention of each layer, "full_attention" or "sliding_attention" (Hugging Face's names);
+    None: every layer full_attention."""
+    sliding_window: int | None = None
+    """Positions a sliding_attention layer's query reaches back: it sees keys at positions
+    k > p - sliding_window of its own position p; set exactly when a layer slides."""
+    is_causal: bool | None = None
+    """Causal attention inside the block in every layer (True), bidirectional in every layer
+    (False), or None: causal in sliding_attention layers only (how z-lab's reference and vLLM
+    read a config without is_causal)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -132,6 +148,26 @@ class DrafterConfig:
         if self.confidence_head and self.markov_rank is None:
             raise ValueError("DrafterConfig.confidence_head is a DSpark head: set markov_rank too")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is not None:
+            self.layer_types = [str(t) for t in self.layer_types]
+            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if unknown or len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"DrafterConfig.layer_types {self.layer_types}: give one of {FULL_ATTENTION!r} or "
+                                 f"{SLIDING_ATTENTION!r} per layer ({self.num_hidden_layers} layers)")
+            if SLIDING_ATTENTION not in self.layer_types:
+                self.layer_types = None  # all full: stored as the default, so such a config stays as it was
+        if self.layer_types is None and self.is_causal is False:
+            self.is_causal = None  # all full and bidirectional: the default, likewise
+        sliding = self.layer_types is not None
+        if sliding != (self.sliding_window is not None) or (sliding and self.sliding_window < 1):
+            raise ValueError(f"DrafterConfig.sliding_window (>= 1) is set exactly when a layer is {SLIDING_ATTENTION}: "
+                             f"got sliding_window {self.sliding_window!r} with layer_types {self.layer_types!r}")
+
+    def layer_attention(self, layer: int) -> tuple[int | None, bool]:
+        """(window, causal) of decoder layer `layer`: its sliding window (None: full attention)
+        and whether its block attention is causal."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == SLIDING_ATTENTION
+        return (self.sliding_window if sliding else None), (sliding if self.is_causal is None else self.is_causal)
 
     @property
     def num_drafts(self) -> int:
@@ -157,6 +193,9 @@ class DrafterConfig:
             del data["draft_vocab_size"]
         if data["markov_rank"] is None:  # and DFlash drafters
             del data["markov_rank"], data["confidence_head"]
+        for name in ("layer_types", "sliding_window", "is_causal"):  # and full bidirectional ones
+            if data[name] is None:
+                del data[name]
         return data
 
     @classmethod
@@ -431,8 +470,8 @@ class BlockLayout:
         """Per-row metadata for the packed mask over keys [context rows; block rows].
 
         q_block [Q]: the block of each query; kv_block [C+Q]: the block of each key (-1 for
-        context rows); kv_segment / q_segment: the segment; kv_position: the context position;
-        q_anchor: the anchor of each query's block.
+        context rows); kv_segment / q_segment: the segment; kv_position: the position of each
+        key in its sequence; q_anchor / q_position: each query's block anchor and position.
         """
         device = self.anchors.device
         seg_ids = torch.arange(len(self.num_blocks), device=device)
@@ -444,47 +483,76 @@ class BlockLayout:
             "q_block": q_block,
             "q_segment": block_segment.repeat_interleave(self.block_size),
             "q_anchor": self.anchors.repeat_interleave(self.block_size),
+            "q_position": self.block_positions,
             "kv_block": torch.cat([minus_one, q_block]),
             "kv_segment": torch.cat([context_segment, block_segment.repeat_interleave(self.block_size)]),
             "kv_position": torch.cat([self.context_positions, self.block_positions]),
         }
 
-    def dense_mask(self) -> torch.Tensor:
-        """The full [Q, C+Q] boolean visibility matrix (tests and small batches only)."""
+    def dense_mask(self, window: int | None = None, causal: bool = False) -> torch.Tensor:
+        """The full [Q, C+Q] boolean visibility matrix of a layer with this window and
+        causality (tests and small batches only)."""
         ix = self.flex_index()
         device = self.anchors.device
         q = torch.arange(self.num_queries, device=device)[:, None]
         kv = torch.arange(self.num_context + self.num_queries, device=device)[None, :]
-        return _visible(ix, q, kv)
+        return _visible(ix, q, kv, window, causal)
 
 
-def _visible(ix: dict[str, torch.Tensor], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+def _in_reach(q_position: torch.Tensor, kv_position: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
+    """Whether a query at absolute position q_position may see a key at kv_position under a
+    layer's window and causality (z-lab's reference and vLLM: p - k < window; a bidirectional
+    window also k - p < window; causal k <= p). Broadcasting tensors; all True when neither."""
+    reach = torch.ones_like(q_position - kv_position, dtype=torch.bool)
+    if causal:
+        reach = reach & (kv_position <= q_position)
+    if window is not None:
+        reach = reach & (q_position - kv_position < window)
+        if not causal:
+            reach = reach & (kv_position - q_position < window)
+    return reach
+
+
+def _visible(ix: dict[str, torch.Tensor], q: torch.Tensor, kv: torch.Tensor, window: int | None = None,
+             causal: bool = False) -> torch.Tensor:
     """The DFlash visibility rule for query rows q and key rows kv (broadcasting index tensors).
 
     A query sees a key of its own block, or a context key of its own segment at a position
-    strictly before its block's anchor.
+    strictly before its block's anchor; and, in a sliding or causal layer, only keys in reach
+    of its position (`_in_reach`).
     """
     q_block = ix["q_block"][q]
     kv_block = ix["kv_block"][kv]
     same_block = kv_block == q_block
     earlier_context = (kv_block < 0) & (ix["kv_segment"][kv] == ix["q_segment"][q]) & (
         ix["kv_position"][kv] < ix["q_anchor"][q])
-    return same_block | earlier_context
+    visible = same_block | earlier_context
+    if window is None and not causal:
+        return visible
+    return visible & _in_reach(ix["q_position"][q], ix["kv_position"][kv], window, causal)
 
 
-def _dense_block_mask(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
-    """Visibility of one segment chunk: queries [n*B] over keys [context_length + n*B].
+def _dense_block_mask(anchors: torch.Tensor, context_length: int, block_size: int, *, context_start: int = 0,
+                      window: int | None = None, causal: bool = False) -> torch.Tensor:
+    """Visibility of one segment chunk: queries [n*B] over keys [context_length - context_start + n*B]
+    (context positions context_start .. context_length-1, then the blocks).
 
     anchors [n] int64. Context key j is visible to the blocks with anchor > j; block keys are
-    visible within their own block only.
+    visible within their own block only; a window or causality narrows both (`_in_reach`).
     """
     n = anchors.shape[0]
     device = anchors.device
     q_anchor = anchors.repeat_interleave(block_size)  # [n*B]
-    context_visible = torch.arange(context_length, device=device)[None, :] < q_anchor[:, None]  # [nB, ctx]
+    context_position = torch.arange(context_start, context_length, device=device)  # [ctx]
+    context_visible = context_position[None, :] < q_anchor[:, None]  # [nB, ctx]
     block_id = torch.arange(n, device=device).repeat_interleave(block_size)  # [nB]
     block_visible = block_id[:, None] == block_id[None, :]  # [nB, nB]
-    return torch.cat([context_visible, block_visible], dim=1)
+    mask = torch.cat([context_visible, block_visible], dim=1)
+    if window is None and not causal:
+        return mask
+    q_position = q_anchor + torch.arange(block_size, device=device).repeat(n)  # [nB]
+    kv_position = torch.cat([context_position, q_position])  # [ctx + nB]
+    return mask & _in_reach(q_position[:, None], kv_position[None, :], window, causal)
 
 
 _compiled_flex = None
@@ -592,31 +660,37 @@ class DFlashDrafter(nn.Module):
         context = self.fuse_context(context_features.to(self.fc.weight.dtype)).to(dtype)  # [C, H]
         q_rope = rope_cos_sin(layout.block_positions, hd, theta, dtype)
         c_rope = rope_cos_sin(layout.context_positions, hd, theta, dtype)
+        kinds = [self.config.layer_attention(i) for i in range(len(self.layers))]  # (window, causal) per layer
+        attends = {kind: self._attend_fn(impl, layout, *kind) for kind in dict.fromkeys(kinds)}  # one mask per kind
+        hidden = block_embeds
+        for layer, kind in zip(self.layers, kinds, strict=True):
+            hidden = layer(hidden, context, q_rope, c_rope, attends[kind])
+        return self.norm(hidden)
+
+    def _attend_fn(self, impl: str, layout: BlockLayout, window: int | None, causal: bool):
+        """attend(q, k_ctx, v_ctx, k_blk, v_blk) -> [Q, h, hd] for layers of this window and causality."""
         if impl == "flex":
-            block_mask = self._flex_block_mask(layout)
+            block_mask = self._flex_block_mask(layout, window, causal)
 
             def attend(q, k_ctx, v_ctx, k_blk, v_blk):
                 return self._attend_flex(q, k_ctx, v_ctx, k_blk, v_blk, block_mask)
         else:
             def attend(q, k_ctx, v_ctx, k_blk, v_blk):
-                return self._attend_dense(q, k_ctx, v_ctx, k_blk, v_blk, layout)
-        hidden = block_embeds
-        for layer in self.layers:
-            hidden = layer(hidden, context, q_rope, c_rope, attend)
-        return self.norm(hidden)
+                return self._attend_dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
+        return attend
 
     def _attention_impl(self, device: torch.device) -> str:
         if self.attention == "auto":
             return "flex" if device.type == "cuda" else "dense"
         return self.attention
 
-    def _flex_block_mask(self, layout: BlockLayout):
+    def _flex_block_mask(self, layout: BlockLayout, window: int | None = None, causal: bool = False):
         from torch.nn.attention.flex_attention import create_block_mask
 
         ix = layout.flex_index()
 
         def mask_mod(b, h, q, kv):
-            return _visible(ix, q, kv)
+            return _visible(ix, q, kv, window, causal)
 
         device = layout.anchors.device
         # Eager: evaluates the rule over [Q, C+Q] on the device once per step (a few
@@ -632,7 +706,8 @@ class DFlashDrafter(nn.Module):
         out = _flex_attention(q.transpose(0, 1)[None], k, v, block_mask)  # [1, h, Q, hd]
         return out[0].transpose(0, 1)  # [Q, h, hd]
 
-    def _attend_dense(self, q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+    def _attend_dense(self, q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window: int | None = None,
+                      causal: bool = False) -> torch.Tensor:
         B = layout.block_size
         blocks_per_call = max(1, self.max_dense_queries // B)
         outputs = []
@@ -641,12 +716,15 @@ class DFlashDrafter(nn.Module):
             for first in range(0, n_blocks, blocks_per_call):
                 blocks = slice(b0 + first, b0 + min(n_blocks, first + blocks_per_call))
                 anchors = layout.anchors[blocks]  # [n] sorted
-                # Only context positions < the chunk's last anchor can be visible to it.
+                # Only context positions < the chunk's last anchor can be visible to it, and
+                # under a window only those > its first anchor - window.
                 ctx_len = min(int(anchors.max()), layout.context_lengths[seg])
+                ctx_start = 0 if window is None else min(ctx_len, max(0, int(anchors.min()) - window + 1))
                 rows = slice(blocks.start * B, blocks.stop * B)
-                k = torch.cat([k_ctx[c0:c0 + ctx_len], k_blk[rows]])  # [ctx + nB, kvh, hd]
-                v = torch.cat([v_ctx[c0:c0 + ctx_len], v_blk[rows]])
-                mask = _dense_block_mask(anchors, ctx_len, B)  # [nB, ctx + nB]
+                k = torch.cat([k_ctx[c0 + ctx_start:c0 + ctx_len], k_blk[rows]])  # [ctx + nB, kvh, hd]
+                v = torch.cat([v_ctx[c0 + ctx_start:c0 + ctx_len], v_blk[rows]])
+                mask = _dense_block_mask(anchors, ctx_len, B, context_start=ctx_start, window=window,
+                                         causal=causal)  # [nB, ctx + nB]
                 out = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                     attn_mask=mask, enable_gqa=True)  # [h, nB, hd]
@@ -681,7 +759,8 @@ class DFlashDrafter(nn.Module):
 
         block_embeds [batch, B, H]: embeddings of [last committed token, MASK x (B-1)], at
         positions cache.length .. cache.length+B-1. The block sees every cached context
-        position and itself (bidirectionally). Returns hidden [batch, B, H]; position k
+        position and itself (bidirectionally), narrowed in sliding or causal layers as in
+        training (`DrafterConfig.layer_attention`). Returns hidden [batch, B, H]; position k
         predicts the token at cache.length + k. The cache is not modified.
         """
         start = cache.length
@@ -692,13 +771,21 @@ class DFlashDrafter(nn.Module):
         hidden = x_in
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
+            window, causal = self.config.layer_attention(i)
+            # A window reaches back to position start - window + 1 at most (the block's first query).
+            first = 0 if window is None else max(0, start - window + 1)
             x = layer.input_layernorm(hidden)
             q = attn.project_queries(x, rope)  # [batch, B, h, hd]
             k_blk, v_blk = attn.project_keys_values(x, rope)
-            k = torch.cat([cache.keys[i], k_blk], dim=1) if cache.keys else k_blk
-            v = torch.cat([cache.values[i], v_blk], dim=1) if cache.values else v_blk
+            k = torch.cat([cache.keys[i][:, first:], k_blk], dim=1) if cache.keys else k_blk
+            v = torch.cat([cache.values[i][:, first:], v_blk], dim=1) if cache.values else v_blk
+            mask = None
+            if window is not None or causal:
+                kv_position = torch.arange(first, start + x_in.shape[1], device=x_in.device)  # [K]
+                mask = _in_reach(positions[:, None], kv_position[None, :], window, causal)  # [B, K]
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)  # [batch, h, B, hd]
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                enable_gqa=True)  # [batch, h, B, hd]
             hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
@@ -729,6 +816,8 @@ __all__ = [
     "DrafterConfig",
     "DrafterContextCache",
     "DRAFT_BUFFERS",
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
     "TargetHead",
     "count_parameters",
     "model_flops_per_token",
