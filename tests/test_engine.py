@@ -12,7 +12,10 @@ The kinds (bench/engine_check.py FAMILIES), at tiny size: a Llama target with ti
 bf16 cache, block 4, bfloat16 export; a Qwen3 target with its own head, basis-fp8 cache (the
 export's folded fc), block 8, float32 export, `enable_thinking: false` in the cache's
 template kwargs; the Qwen3 target again with a draft vocabulary (`fit --draft-vocab 48`: the
-export's own `lm_head.weight` and `d2t`), bf16 cache, block 4. The Llama kind's export is
+export's own `lm_head.weight` and `d2t`), bf16 cache, block 4; a DSpark drafter on the Llama
+target (`fit --drafter dspark`, Markov rank 32, 4 drafts per step, float32 export, vLLM's
+`dspark` method on its V2 runner), whose broken copies (markov_w1 and markov_w2 swapped, the
+Markov head left out) must fail by acceptance. The Llama kind's DFlash export is
 served a second time on vLLM's V2 model runner (`-v2`), which runs on CPU through Triton's
 interpreter (bench/engine_vllm.py: a workaround in the engine process, never a change to
 installed files), and must agree step for step too. One engine per drafter folder and per
