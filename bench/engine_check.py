@@ -14,7 +14,10 @@ through stage one's --chat-template-kwargs), and the same Qwen3 target with a dr
 vocabulary (`fit --draft-vocab 48` of 104 rows: the export's own `lm_head.weight` and `d2t`;
 bf16 cache, block 4, float32 export), and a DSpark drafter on the Llama target (`fit --drafter
 dspark`, Markov rank 32, block 4: 4 drafts per step; the Llama cache; float32 export, vLLM
-method `dspark`, V2 runner only). The Llama kind's DFlash export is also served on V2, which
+method `dspark`, V2 runner only), and a DFlash drafter with mixed layers on the Llama target
+(`fit --layer-types sliding_attention,full_attention --sliding-window 8`: the sliding layer is
+causal inside the block by the layer rule; float32 export; V2 only, as vLLM 0.32 refuses mixed
+layers on V1). The Llama kind's DFlash export is also served on V2, which
 must agree with V1 and with dflash step for step. Each target is random, built from a config
 with vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
@@ -59,7 +62,7 @@ them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays loss
 rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it; a
 DSpark folder's Markov head with markov_w1 and markov_w2 swapped (same shape over the whole
 vocabulary, so vLLM loads it) or left out (vLLM loads it anyway and drafts from uninitialised
-memory) by acceptance.
+memory), and a sliding-window drafter's window widened past every sequence, by acceptance.
 Exit status 1 when a good export fails or a broken one passes.
 """
 
@@ -141,6 +144,10 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
     Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
            fit_options={"drafter": "dspark", "markov_rank": 32}, model_runners=("v2",),
            broken=("markov-w1-w2-swapped", "markov-head-dropped")),
+    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+           fit_options={"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+                        "sliding_window": 8}, model_runners=("v2",),
+           broken=("window-widened",)),
 ]}
 
 
@@ -173,10 +180,10 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
                                          chat_template_kwargs=family.chat_template_kwargs, **rank))
     run = work / f"run-{family.name}"
     if not (run / "checkpoints").is_dir():
-        fit(tiny_fit_config(cache, run, block_size=family.block_size, max_steps=max_steps, eval_fraction=0.0,
-                            lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
-                            tokens_per_step=384, log_every=100, draft_vocab=family.draft_vocab,
-                            **family.fit_options))
+        options = {"block_size": family.block_size, "max_steps": max_steps, "eval_fraction": 0.0, "lr": 5e-3,
+                   "anchors_per_seq": 64, "num_layers": 1, "checkpoint_every": max_steps, "tokens_per_step": 384,
+                   "log_every": 100, "draft_vocab": family.draft_vocab}
+        fit(tiny_fit_config(cache, run, **{**options, **family.fit_options}))
     return target, cache, run
 
 
@@ -397,6 +404,12 @@ def markov_head_dropped(folder: Path, **_) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def window_widened(folder: Path, **_) -> None:
+    """The sliding layers' window raised past any sequence here (4096): vLLM then runs them as
+    full attention, as a loader that drops the window would."""
+    _edit_config(folder, lambda c: c.update(sliding_window=4096))
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
@@ -406,6 +419,7 @@ BROKEN: dict[str, Callable[..., None]] = {
     "d2t-zeroed": d2t_zeroed,
     "markov-w1-w2-swapped": markov_w1_w2_swapped,
     "markov-head-dropped": markov_head_dropped,
+    "window-widened": window_widened,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 

@@ -15,7 +15,10 @@ template kwargs; the Qwen3 target again with a draft vocabulary (`fit --draft-vo
 export's own `lm_head.weight` and `d2t`), bf16 cache, block 4; a DSpark drafter on the Llama
 target (`fit --drafter dspark`, Markov rank 32, 4 drafts per step, float32 export, vLLM's
 `dspark` method on its V2 runner), whose broken copies (markov_w1 and markov_w2 swapped, the
-Markov head left out) must fail by acceptance. The Llama kind's DFlash export is
+Markov head left out) must fail by acceptance; a DFlash drafter with a sliding-window layer
+(window 8) and a full one on the Llama target, float32, V2 only (vLLM 0.32 refuses mixed
+layers on V1), whose copy with the window widened past every sequence must fail. The Llama
+kind's DFlash export is
 served a second time on vLLM's V2 model runner (`-v2`), which runs on CPU through Triton's
 interpreter (bench/engine_vllm.py: a workaround in the engine process, never a change to
 installed files), and must agree step for step too. One engine per drafter folder and per
