@@ -116,8 +116,8 @@ class Family:
     """`fit --draft-vocab`: the drafter's own head of this many rows and its d2t map."""
     model_runners: tuple[str, ...] = ("v1",)
     """vLLM model runners that serve the good export: "v1", and "v2" (on CPU through Triton's
-    interpreter, bench/engine_vllm.py); the broken copies and the target alone run on the
-    first."""
+    interpreter, bench/engine_vllm.py); the broken copies run on the first (the target alone
+    always on V1)."""
     fit_options: dict[str, Any] = field(default_factory=dict)
     """More `fit` options (flat FitConfig keys), such as the drafter kind."""
 
@@ -676,6 +676,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     families, cases = [], []
+    alone_prompts: dict[str, list[list[int]]] = {}
     for name in config.families:
         family = FAMILIES[name]
         target, cache, run = train_run(work, family)
@@ -688,8 +689,13 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
                                      block_size=block, dtype=family.dtype)
         names = family.good_cases()
         runners = dict(zip(names, family.model_runners))
-        cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS,
-                                 model_runner=family.model_runners[0]))
+        # One target-alone engine per cache (families of one cache decode the same prompts), on V1,
+        # where it decodes fastest; the runner does not change a greedy target's tokens.
+        alone = f"{family.cache_name.removeprefix('cache-')}-target-alone"
+        if alone not in alone_prompts:
+            alone_prompts[alone] = prompts.token_ids
+            cases.append(engine_case(alone, target, prompts, max_tokens=MAX_NEW_TOKENS))
+        assert alone_prompts[alone] == prompts.token_ids, f"{family.name}: other prompts than {alone}'s"
         cases += [engine_case(name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good, model_runner=runner)
                   for name, runner in runners.items()]
         for broken in (b for b in family.broken if b in config.broken):
@@ -699,7 +705,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             names.append(broken)
             runners[broken] = family.model_runners[0]
         families.append({"family": family, "reference": reference, "cases": names, "model_runners": runners,
-                         "verify_block": block,
+                         "verify_block": block, "target_alone": alone,
                          # the trained base (the run's), not the export's: it is what the export must carry
                          "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
@@ -716,7 +722,7 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
     report = []
     for entry in prepared["families"]:
         family: Family = entry["family"]
-        greedy = by_name[f"{family.name}-target-alone"]
+        greedy = by_name[entry["target_alone"]]
         if "error" in greedy:
             raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
         for name in entry["cases"]:
@@ -725,7 +731,7 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
                                    rope_theta=entry["rope_theta"], log_path=config.work / "engine.log",
                                    model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
-            "target_alone_start_s": {e["family"].name: by_name[f"{e['family'].name}-target-alone"]["start_s"]
+            "target_alone_start_s": {e["target_alone"]: by_name[e["target_alone"]]["start_s"]
                                      for e in prepared["families"]}}
 
 
