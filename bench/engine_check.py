@@ -1,7 +1,7 @@
 """Served by a real engine: vLLM's CPU backend decodes with the drafters dflash exports, and
 agrees with dflash's own speculative loop token for token and step for step.
 
-    python -m bench.engine_check [--work DIR] [--engine-venv DIR] [--families all|NAME,...]
+    python -m bench.engine_check [--work DIR] [--engine-venv DIR] [--families all|matrix|NAME,...]
                                  [--broken all|none|NAME,...]
     python -m bench.engine_check --run RUN --target TARGET --prompts RECORDS [--cache CACHE]
                                  [--limit 20] [--max-new-tokens 48] [--json]
@@ -17,9 +17,13 @@ dspark`, Markov rank 32, block 4: 4 drafts per step; the Llama cache; float32 ex
 method `dspark`, V2 runner only), and a DFlash drafter with mixed layers on the Llama target
 (`fit --layer-types sliding_attention,full_attention --sliding-window 8`: the sliding layer is
 causal inside the block by the layer rule; float32 export; V2 only, as vLLM 0.32 refuses mixed
-layers on V1). The Llama kind's DFlash export is also served on V2, which
-must agree with V1 and with dflash step for step. Each target is random, built from a config
-with vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
+layers on V1). The Llama kind's DFlash export is also served on V2, which must agree with V1
+and with dflash step for step. `--families matrix`: one case per other target family
+of dflash.testing.families that vLLM's CPU build serves (TARGET_MATRIX: Qwen2, Qwen3-MoE,
+gpt-oss with its sliding and full layers, Phi-3, OLMo, OLMo-2, Granite, Mistral and its sliding
+v0.1), and one per family vLLM refuses (Gemma 2 and 3), which passes when vLLM refuses the
+drafter for the reason dflash.train.serving states. Each target is random, built from a
+config with vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
    cache holds the target's own greedy replies), a brief `fit`, `export_run`, and dflash's
@@ -84,6 +88,8 @@ import torch
 
 from bench.engine_venv import DEFAULT_ENGINE_VENV, ENGINE_VENV_ENV, engine_venv
 from dflash.testing.builders import precompute_config, tiny_fit_config, vllm_target, write_jsonl
+from dflash.testing.families import FAMILIES as TARGET_FAMILIES
+from dflash.train.serving import VLLM_CPU_CANNOT, VLLM_REFUSES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,6 +120,11 @@ class Family:
     """Broken copies of this family's export (names of BROKEN) that must fail."""
     draft_vocab: int | None = None
     """`fit --draft-vocab`: the drafter's own head of this many rows and its d2t map."""
+    max_steps: int = 1500
+    """`fit --max-steps` of the brief training."""
+    refused_by: str | None = None
+    """vLLM must refuse this family's drafter with an error holding this text (the reason
+    dflash.train.serving states); then only the drafter's engine is started."""
     model_runners: tuple[str, ...] = ("v1",)
     """vLLM model runners that serve the good export: "v1", and "v2" (on CPU through Triton's
     interpreter, bench/engine_vllm.py); the broken copies run on the first (the target alone
@@ -150,6 +161,19 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
            broken=("window-widened",)),
 ]}
 
+# The family matrix (dflash.testing.families): each other target family that vLLM's CPU build
+# serves DFlash drafters for, bf16 cache, block 4, float32 export, a briefer training (these check
+# the target's side: rendering, layer outputs, windows); and those vLLM refuses (VLLM_REFUSES),
+# which must fail with the stated reason. Its CPU build's other gaps (VLLM_CPU_CANNOT) are left out.
+_REFUSAL_TEXT = "does not support EAGLE3 interface"
+TARGET_MATRIX: dict[str, Family] = {
+    f"{name}-b4": Family(name=f"{name}-b4", arch=name, feature_codec="bf16", block_size=4, dtype="float32",
+                         max_steps=300 if target.model_type not in VLLM_REFUSES else 20,
+                         refused_by=_REFUSAL_TEXT if target.model_type in VLLM_REFUSES else None)
+    for name, target in TARGET_FAMILIES.items()
+    if name not in {f.arch for f in FAMILIES.values()} and target.model_type not in VLLM_CPU_CANNOT}
+KINDS = {**FAMILIES, **TARGET_MATRIX}
+
 
 # --------------------------------------------------------------------------- dflash side
 
@@ -160,7 +184,7 @@ def write_records(path: Path) -> Path:
                               for u in USERS])
 
 
-def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Path, Path, Path]:
+def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     """Target, regenerated cache and a briefly trained run of `family` under `work` (each
     reused when present); returns (target, cache, run)."""
     from dflash.precompute.run import run_precompute
@@ -179,6 +203,7 @@ def train_run(work: Path, family: Family, *, max_steps: int = 1500) -> tuple[Pat
                                          feature_codec=family.feature_codec,
                                          chat_template_kwargs=family.chat_template_kwargs, **rank))
     run = work / f"run-{family.name}"
+    max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
         options = {"block_size": family.block_size, "max_steps": max_steps, "eval_fraction": 0.0, "lr": 5e-3,
                    "anchors_per_seq": 64, "num_layers": 1, "checkpoint_every": max_steps, "tokens_per_step": 384,
@@ -468,8 +493,8 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
                                    str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
         if proc.returncode != 0 or not out_path.is_file():
             tail = log_path.read_text()[-3000:]
-            raise RuntimeError(f"the {runner} engine process exited with {proc.returncode} (log: {log_path}):\n"
-                               f"{tail}")
+            raise RuntimeError(f"the engine process exited with {proc.returncode} ({runner} runner; log: "
+                               f"{log_path}):\n{tail}")
         results.update((case["name"], case) for case in json.loads(out_path.read_text())["cases"])
     ordered = [results[case["name"]] for case in job["cases"]]
     out_path.write_text(json.dumps({"cases": ordered}))  # every runner's, for reading afterwards
@@ -661,7 +686,7 @@ class EngineCheckConfig:
     """Broken exports to start an engine with (each where its family lists it); each must fail."""
 
     def __post_init__(self) -> None:
-        for option, names, known in (("--families", self.families, FAMILIES), ("--broken", self.broken, BROKEN)):
+        for option, names, known in (("--families", self.families, KINDS), ("--broken", self.broken, BROKEN)):
             unknown = set(names) - set(known)
             if unknown:
                 raise ValueError(f"{option}: unknown {sorted(unknown)}; choose from {', '.join(known)}")
@@ -678,12 +703,16 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
     families, cases = [], []
     alone_prompts: dict[str, list[list[int]]] = {}
     for name in config.families:
-        family = FAMILIES[name]
+        family = KINDS[name]
         target, cache, run = train_run(work, family)
         good = work / f"dflash-{family.name}-{family.dtype}"
         if not good.is_dir():
             export_run(run, good, dtype=family.dtype)
         prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
+        if family.refused_by is not None:  # the drafter's engine alone, which must refuse it
+            cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good))
+            families.append({"family": family, "cases": [good.name]})
+            continue
         block = serving(good).verify_block
         reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
                                      block_size=block, dtype=family.dtype)
@@ -722,6 +751,10 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
     report = []
     for entry in prepared["families"]:
         family: Family = entry["family"]
+        if family.refused_by is not None:
+            report.append(refusal_row(entry["cases"][0], family, by_name[entry["cases"][0]],
+                                      log_path=config.work / "engine.log"))
+            continue
         greedy = by_name[entry["target_alone"]]
         if "error" in greedy:
             raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
@@ -732,7 +765,16 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
                                    model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
             "target_alone_start_s": {e["target_alone"]: by_name[e["target_alone"]]["start_s"]
-                                     for e in prepared["families"]}}
+                                     for e in prepared["families"] if e["family"].refused_by is None}}
+
+
+def refusal_row(name: str, family: Family, result: dict[str, Any], *, log_path: Path) -> dict[str, Any]:
+    """The report row of a drafter vLLM must refuse: a failure unless its error holds the reason."""
+    error = (engine_root_cause(log_path, name) or result["error"]) if "error" in result else None
+    failures = [] if error is not None and family.refused_by in error else [
+        f"vLLM was to refuse this drafter ({family.refused_by!r}); {'it served it' if error is None else error}"]
+    return {"name": name, "family": family.name, "broken": False, "refused": error, "failures": failures,
+            "near_ties": []}
 
 
 def _figures_line(label: str, f: dict[str, Any]) -> str:
@@ -750,6 +792,8 @@ def format_report(result: dict[str, Any]) -> str:
         if "vllm_batched_tokens_per_s" in row:
             lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_batched_tokens_per_s']:.1f} "
                          f"tok/s batched")
+        if row.get("refused") and not row["failures"]:
+            lines.append(f"  refused, as vLLM must: {row['refused'][:160]}")
         lines += [f"  near-tie, not compared further: {note}" for note in row["near_ties"]]
         lines += [f"  {failure}" for failure in row["failures"][:3]]
         if len(row["failures"]) > 3:
@@ -861,7 +905,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: runs/engine-check (RUN/engine-check with --run)")
     parser.add_argument("--engine-venv", type=Path, default=None,
                         help=f"default: ${ENGINE_VENV_ENV}, else {DEFAULT_ENGINE_VENV}")
-    parser.add_argument("--families", default="all", help=f"all or a comma list of {', '.join(FAMILIES)}")
+    parser.add_argument("--families", default="all",
+                        help=f"all (the drafter kinds {', '.join(FAMILIES)}), matrix (one per other target family, "
+                             f"served or refused by vLLM as dflash.train.serving says: {', '.join(TARGET_MATRIX)}) "
+                             "or a comma list of either")
     parser.add_argument("--broken", default="all", help=f"all, none or a comma list of {', '.join(BROKEN)}")
     parser.add_argument("--run", type=Path, help="check this trained run instead (needs --target and --prompts)")
     parser.add_argument("--target", type=Path, help="with --run: the target's folder")
@@ -893,7 +940,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = args.work or REPO / "runs" / "engine-check"
         result = run_engine_check(EngineCheckConfig(work=work, engine_venv=venv,
-                                                    families=_names(args.families, FAMILIES),
+                                                    families=(tuple(TARGET_MATRIX) if args.families == "matrix"
+                                                              else _names(args.families, FAMILIES)),
                                                     broken=_names(args.broken, BROKEN)))
         print(format_report(result))
         wrong = any(bool(r["failures"]) != r["broken"] for r in result["cases"])

@@ -11,19 +11,37 @@ reused when present under --work), every prompt is decoded once per seed, on bot
 - dflash: `speculative_generate` with `MatchSampler` (the target draws at every position,
   drafts accepted while they equal its draws), the run's drafter with its weights rounded to
   the export's dtype, as bench/engine_check.py's reference;
-- vLLM: one job, one process, two engines (the target alone, and with the drafter as
-  `speculative_config={"method": "dflash", ...}`), the requests drawing from the engine's
-  generator (vLLM's CPU build refuses per-request seeds, bench/engine_vllm.py).
+- vLLM: one job, one process, three engines (the target alone; with the drafter as
+  `speculative_config={"method": "dflash", ...}`, stock; and with the drafter again, with the
+  CPU build's defect below repaired), the requests drawing from the engine's generator (vLLM's
+  CPU build refuses per-request seeds, bench/engine_vllm.py), each engine seeded apart (1, 2,
+  3): engines set up alike with one seed draw one stream, and compared samples must be
+  independent.
 
 vLLM's rule for DFlash drafts (vllm/v1/sample/rejection_sampler.py, 0.32 wheel): the drafts
 are the drafter's argmax (`draft_sample_method="greedy"`, the default; the proposer then keeps
 no draft probabilities), and `rejection_random_sample_kernel` treats them as probability 1
 (`NO_DRAFT_PROBS`): draft x is accepted when a uniform u <= p(x) (p: the target's probabilities
 after temperature), else the token is drawn from p with x removed (`sample_recovered_tokens`),
-and after a fully accepted block the bonus is drawn from p. That is standard speculative
-sampling for a one-hot draft distribution, and equal in distribution to dflash's rule: the
-target's draw equals x with probability p(x), and otherwise is a draw from p without x. So
-the accepted counts agree in expectation, the outputs in distribution.
+and after a fully accepted block the bonus is drawn from p by the plain sampler. That is
+standard speculative sampling for a one-hot draft distribution, and equal in distribution to
+dflash's rule: the target's draw equals x with probability p(x), and otherwise is a draw from
+p without x. So the accepted counts agree in expectation, the outputs in distribution. (The V2
+runner's sampler, vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py, is the same rule:
+log p(x) > log u with log q = 0 for one-hot drafts, the resample from p with x masked; it reads
+each request's temperature by its state index, not through the expand below.)
+
+vLLM 0.32's CPU build does not run that rule at temperature > 0: `apply_sampling_constraints`
+divides the draft positions' target logits by `expand_batch_to_tokens(temperature, ...)`,
+whose kernel, without Triton's CPU backend, is `vllm/utils/cpu_triton_utils.py`
+`_expand_kernel_impl`; it passes the C++ op `_ensure_int64(output)`, a new int64 copy of the
+float32 output that is never copied back, so the expanded temperature is the uninitialised
+memory of `x.new_empty` (values like 4.6e-41, -3e-12, 1e21; bench/engine_vllm.py
+`cpu_expand_defect` shows it without an engine). p(x) and the recovered token's distribution
+are then softmax(logits / garbage). Positions drawn by the plain sampler (the prefill's token,
+the bonus token) are right; greedy never reaches it. The repaired engine replaces
+`expand_batch_to_tokens` with plain torch for its case (bench/engine_vllm.py), nothing else.
+Known upstream as vllm-project/vllm issue #55005 (its fix, PR #55006, open at 0.32).
 
 The checks, each at a stated level:
 - acceptance: the mean over requests of each request's tau (1 + accepted drafts per verify,
@@ -37,7 +55,10 @@ The checks, each at a stated level:
   ALPHA / len(POSITIONS) (Bonferroni); and the same for dflash's samples against vLLM's
   target alone (the same target in float32 on both sides). Whole sequences of a few tokens
   would be the stronger test, but at temperature 1 this target spreads them too thin for a
-  CI-sized sample.
+  CI-sized sample. Token 0 is the prefill's (no draft verified), the control.
+Both checks hold for the repaired engine; the stock engine's figures are reported beside them,
+and while `cpu_expand_defect` finds the defect its lossless test is expected to fail (a pass
+then is a failure of this explanation), and without the defect it must pass.
 The power of such a test against a sampler that accepts drafts without the check is shown in
 tests/test_sampling.py on a target whose distribution is known exactly.
 """
@@ -64,8 +85,10 @@ from bench.engine_check import (
     train_run,
 )
 
-POSITIONS = (1, 2, 3)
+POSITIONS = (0, 1, 2, 3)
 """Generated tokens compared (0-based; token 0 is the prefill's, drawn before any draft)."""
+ENGINES = {"vllm": "sampled-with-drafter-repaired", "vllm_stock": "sampled-with-drafter"}
+"""The two runs with the drafter: the repaired one checked, the stock one reported."""
 ALPHA = 1e-3
 Z_99 = 2.576
 
@@ -151,9 +174,11 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
                           max_new_tokens=max_new_tokens, block_size=fam.block_size, dtype=fam.dtype)
     dflash_s = time.perf_counter() - t0
     sampled = {"temperature": temperature, "seeds": seeds}
-    job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled},
-                     {**engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens,
-                                    drafter=export), **sampled}]}
+    with_drafter = engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens, drafter=export)
+    job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled,
+                      "engine_seed": 1},
+                     {**with_drafter, **sampled, "engine_seed": 2},
+                     {**with_drafter, **sampled, "engine_seed": 3, "name": ENGINES["vllm"], "repair_cpu_expand": True}]}
     t0 = time.perf_counter()
     cases = {c["name"]: c for c in run_engine(venv, job, work)}
     engine_s = time.perf_counter() - t0
@@ -162,7 +187,6 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
     if failures:
         return {"failures": failures}
     alone = cases["sampled-target-alone"]["runs"]["batched"]["outputs"]
-    spec = cases["sampled-with-drafter"]["runs"]["batched"]["outputs"]
     n = len(seeds)
 
     def at(outputs: list[dict[str, Any]], position: int) -> list[list[tuple]]:
@@ -171,41 +195,54 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
 
     def lossless(outputs: list[dict[str, Any]]) -> dict[str, Any]:
         tests = {k: homogeneity(at(outputs, k), at(alone, k), min_count=5) for k in POSITIONS}
-        return {"p_min": min(t["p"] for t in tests.values()), "per_position": tests}
+        return {"p_min": min(t["p"] for t in tests.values()), "per_position": tests,
+                "passes": min(t["p"] for t in tests.values()) >= ALPHA / len(POSITIONS)}
 
-    rendered = all(o["prompt_token_ids"] == prompts.token_ids[r // n] for r, o in enumerate(spec))
-    acceptance = mean_interval(request_taus([o["accepted"] for o in ours]),
-                               request_taus([cut_to_owed(o["per_step_accepted"], max_new_tokens) for o in spec]))
-    lossless_vllm, lossless_dflash = lossless(spec), lossless(ours)
-    if not rendered:
-        failures.append("vLLM rendered a prompt otherwise than dflash")
+    ours_taus = request_taus([o["accepted"] for o in ours])
+    result = {"family": family, "temperature": temperature, "num_prompts": len(prompts.token_ids), "num_seeds": n,
+              "max_new_tokens": max_new_tokens, "block_size": fam.block_size, "lossless_dflash": lossless(ours),
+              "cpu_expand": cases[ENGINES["vllm"]]["cpu_expand"], "dflash_s": dflash_s, "engine_s": engine_s}
+    for key, name in ENGINES.items():
+        spec = cases[name]["runs"]["batched"]["outputs"]
+        if not all(o["prompt_token_ids"] == prompts.token_ids[r // n] for r, o in enumerate(spec)):
+            failures.append(f"{name}: vLLM rendered a prompt otherwise than dflash")
+        taus = request_taus([cut_to_owed(o["per_step_accepted"], max_new_tokens) for o in spec])
+        result[f"acceptance_{key}"] = mean_interval(ours_taus, taus)
+        result[f"lossless_{key}"] = lossless(spec)
+    acceptance, defect = result["acceptance_vllm"], result["cpu_expand"]["defect"]
     if not acceptance["within"]:
         failures.append(f"acceptance: vLLM's mean tau {acceptance['vllm']:.3f} differs from dflash's "
                         f"{acceptance['dflash']:.3f} by more than the 99% interval +-{acceptance['half_width_99']:.3f}")
-    for name, test in (("vLLM with the drafter", lossless_vllm), ("dflash", lossless_dflash)):
-        if test["p_min"] < ALPHA / len(POSITIONS):
+    for name, key in (("vLLM with the drafter (repaired)", "lossless_vllm"), ("dflash", "lossless_dflash")):
+        if not result[key]["passes"]:
             failures.append(f"lossless: {name}'s tokens differ from vLLM's target alone (chi-square p "
-                            f"{test['p_min']:.2g} < {ALPHA}/{len(POSITIONS)} at some position of {POSITIONS})")
-    return {"family": family, "temperature": temperature, "num_prompts": len(prompts.token_ids), "num_seeds": n,
-            "max_new_tokens": max_new_tokens, "block_size": fam.block_size, "acceptance": acceptance,
-            "lossless_vllm": lossless_vllm, "lossless_dflash": lossless_dflash, "failures": failures,
-            "dflash_s": dflash_s, "engine_s": engine_s}
+                            f"{result[key]['p_min']:.2g} < {ALPHA}/{len(POSITIONS)} at some position of {POSITIONS})")
+    if result["lossless_vllm_stock"]["passes"] == defect:
+        failures.append("stock vLLM with the drafter: " + (
+            "lossless in distribution although its expand kernel loses the temperature" if defect else
+            f"not lossless (p {result['lossless_vllm_stock']['p_min']:.2g}) and no expand defect found"))
+    return {**result, "failures": failures}
 
 
 def format_report(result: dict[str, Any]) -> str:
-    if "acceptance" not in result:
+    if "acceptance_vllm" not in result:
         return "\n".join(result["failures"])
-    a = result["acceptance"]
+    expand = result["cpu_expand"]
     lines = [f"sampled engine check [{result['family']}]: temperature {result['temperature']:g}, "
              f"{result['num_prompts']} prompts x {result['num_seeds']} seeds, at most {result['max_new_tokens']} "
              f"tokens, block {result['block_size']}",
-             f"  mean tau per request: dflash {a['dflash']:.3f}, vLLM {a['vllm']:.3f}, difference "
-             f"{a['difference']:+.3f} (99% interval +-{a['half_width_99']:.3f})"]
-    for label, key in (("vLLM with the drafter", "lossless_vllm"), ("dflash", "lossless_dflash")):
+             f"  vLLM CPU expand_batch_to_tokens([1, 0.5] over 2 + 2 tokens): {expand['expanded']} "
+             f"({'the defect: repaired in the checked engine' if expand['defect'] else 'right'})"]
+    for key, label in (("vllm", "vLLM repaired"), ("vllm_stock", "vLLM stock")):
+        a = result[f"acceptance_{key}"]
+        lines.append(f"  mean tau per request: dflash {a['dflash']:.3f}, {label} {a['vllm']:.3f}, difference "
+                     f"{a['difference']:+.3f} (99% interval +-{a['half_width_99']:.3f})")
+    for label, key in (("vLLM repaired + drafter", "lossless_vllm"), ("vLLM stock + drafter", "lossless_vllm_stock"),
+                       ("dflash", "lossless_dflash")):
         shown = ", ".join(f"{k}: p {t['p']:.2g} ({t['df']} df)" for k, t in result[key]["per_position"].items())
-        lines.append(f"  tokens at positions {POSITIONS}, {label} vs vLLM's target alone: {shown} "
-                     f"(fails below {ALPHA / len(POSITIONS):.2g})")
-    lines.append(f"  {'FAILS' if result['failures'] else 'passes'} (dflash {result['dflash_s']:.0f} s, "
+        lines.append(f"  tokens at positions {POSITIONS}, {label} vs vLLM's target alone: {shown}")
+    lines.append(f"  (a position fails below {ALPHA / len(POSITIONS):.2g}) "
+                 f"{'FAILS' if result['failures'] else 'passes'} (dflash {result['dflash_s']:.0f} s, "
                  f"engines {result['engine_s']:.0f} s)")
     lines += [f"  {failure}" for failure in result["failures"]]
     return "\n".join(lines)

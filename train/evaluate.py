@@ -54,6 +54,7 @@ from dflash.train.online import ChatRenderer, evaluate_online, load_prompts, sui
 from dflash.train.run_folder import eval_results_path
 from dflash.train.speculative import DrafterProposer
 from dflash.train.suites import load_suite, suite_specs
+from dflash.train.target_cache import rollback_refusal
 
 
 @dataclass(kw_only=True)
@@ -317,8 +318,13 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                                           run_fingerprint, allow=config.allow_target_mismatch))
         template_cache = (selection[0][0] if selection
                           else _run_cache(loaded) if suite_specs(config.prompts) is not None else None)
-        result.update(_online(config, match_features(drafter, None, fit_caches), template_cache, keep,
-                              block_size=block_size, device=device, show_progress=show_progress))
+        try:
+            result.update(_online(config, match_features(drafter, None, fit_caches), template_cache, keep,
+                                  block_size=block_size, device=device, show_progress=show_progress))
+        except OnlineRefused as refused:
+            if not selection:
+                raise
+            result["online_refused"] = str(refused)  # the offline figures are still saved and shown
 
     result["warnings"] = [w for w in dict.fromkeys(warnings) if w is not None]
     if config.save and config.run is not None:
@@ -349,6 +355,10 @@ def _offline(drafter: DFlashDrafter, selection: list, *, block_size: int, device
     return figures
 
 
+class OnlineRefused(ValueError):
+    """The target's family cannot be decoded exactly (its cache cannot be rolled back)."""
+
+
 def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, keep: Any, *, block_size: int,
             device: torch.device, show_progress: bool) -> dict[str, Any]:
     """{"online": figures} for a records file, or {"suites": [figures per suite]}: speculative
@@ -361,6 +371,9 @@ def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, kee
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         config.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
     target, tokenizer, stop = load_target(config.target, drafter, device=device, dtype=dtype)
+    refusal = rollback_refusal(target)
+    if refusal is not None:
+        raise OnlineRefused(f"eval --online --target {config.target}: {refusal}")
     template_kwargs, template_text = resolve_template_settings(
         template_cache, config.chat_template_kwargs, config.chat_template)
     renderer = ChatRenderer(tokenizer, template_text, template_kwargs)
@@ -403,6 +416,8 @@ def _save_result(path: Path, result: dict[str, Any]) -> Path:
     """Merge `result` into RUN/eval/<checkpoint>.json: an offline-only call keeps the
     checkpoint's earlier online figures, and suites merge by (suite, temperature, seed)."""
     saved = json.loads(path.read_text()) if path.is_file() else {}
+    if "online" in result or "suites" in result:
+        saved.pop("online_refused", None)  # an earlier refusal, of this or another target
     suites = {(e["suite"], e["temperature"], e["seed"]): e for e in saved.get("suites", []) + result.get("suites", [])}
     saved.update(result)
     if suites:
@@ -432,6 +447,8 @@ def format_report(result: dict[str, Any]) -> str:
             values = result[f"per_position_{name}"]
             lines.append(f"{name:<8} " + " ".join("    -" if v is None else f"{v:5.3f}" for v in values))
     lines += [f"warning: {warning}" for warning in result.get("warnings", [])]
+    if "online_refused" in result:
+        lines.append("online   not decoded: refused (the error below says why)")
     online = result.get("online")
     if online:
         lines.append(_online_line(online))
@@ -511,3 +528,5 @@ def eval_command(as_json: bool, **options: Any) -> None:
     click.echo(format_report(result))
     if as_json:
         click.echo(json.dumps(result))
+    if "online_refused" in result:  # after the offline figures: one Error line, exit status 1
+        raise ValueError(result["online_refused"])

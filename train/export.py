@@ -63,6 +63,7 @@ from dflash.train.loading import (
 )
 from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import eval_results_path, held_out_eval
+from dflash.train.serving import VLLM_VERSION, vllm_refusal
 
 ExportDtype = Literal["bfloat16", "float32", "float16"]
 DTYPES = {name: getattr(torch, name) for name in get_args(ExportDtype)}
@@ -236,8 +237,9 @@ def _plural(count: Any, word: str) -> str:
 
 
 def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
-               held_out: dict[str, Any] | None = None) -> str:
-    """README.md of an export: what the drafter is for, how it was trained, what it measured."""
+               held_out: dict[str, Any] | None = None, serving_note: str | None = None) -> str:
+    """README.md of an export: what the drafter is for, how it was trained, what it measured;
+    `serving_note` (an engine's gap for this target) follows the serving commands."""
     c = loaded.drafter.config
     fit = loaded.fit_config or {}
     caches = []
@@ -282,6 +284,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         "",
         *(_dspark_lines(c) if c.markov_rank is not None else []),
         *(_serving_lines(c, target) if c.markov_rank is None else _dspark_serving_lines(c, target)),
+        *(["", serving_note] if serving_note else []),
         "",
         "## Measured acceptance length",
         "",
@@ -439,6 +442,18 @@ class ExportConfig:
             self.checkpoint = Path(self.checkpoint)
 
 
+def vllm_warning(run: str | Path) -> str | None:
+    """One line when the pinned vLLM serves no DFlash drafter for the target of RUN's first cache
+    (dflash.train.serving), naming the family and the reason; else None."""
+    caches = json.loads((Path(run) / "config.json").read_text()).get("cache") or []
+    if not caches or not (Path(caches[0]) / TARGET_DIR / TARGET_INFO_FILE).is_file():
+        return None
+    model_type = TargetInfo.load(Path(caches[0]) / TARGET_DIR).model_type
+    reason = vllm_refusal(model_type)
+    return None if reason is None else (f"Warning: the target is a {model_type} model, for which vLLM {VLLM_VERSION} "
+                                        f"serves no DFlash drafter: {reason}")
+
+
 def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
                dtype: str = DEFAULT_EXPORT_DTYPE) -> Path:
     """Export RUN's checkpoint (newest by default) to `out` with weights in `dtype`; returns `out`
@@ -453,7 +468,9 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     if caches and (Path(caches[0]) / TARGET_DIR / TARGET_INFO_FILE).is_file():
         target = TargetInfo.load(Path(caches[0]) / TARGET_DIR)
         token_ids = {key: getattr(target, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step))
+    refusal = vllm_warning(run)
+    card = model_card(loaded, evaluation=evaluation, held_out=held_out_eval(run, loaded.step),
+                      serving_note=None if refusal is None else refusal.removeprefix("Warning: "))
     if loaded.drafter.config.feature_width is not None:  # trained on basis coefficients: fold the basis in
         from dflash.train.basis import basis_of_caches, fold_basis
 
@@ -472,6 +489,9 @@ def export_command(**options: Any) -> None:
     """Write a Hugging Face folder in z-lab's DFlash draft format."""
     path = export_run(**given(options))  # ValueError/OSError: one line
     click.echo(f"exported {path} (config.json, model.safetensors, README.md)")
+    refusal = vllm_warning(options["run"])
+    if refusal is not None:
+        click.echo(refusal, err=True)
     dspark = json.loads((path / HF_CONFIG_FILE).read_text()).get("markov_rank") is not None
     if not dspark and "dflash" not in path.name.lower():
         click.echo(f"Warning: --out {path.name}: the folder name lacks \"dflash\"; keep \"method\": \"dflash\" "
@@ -486,5 +506,6 @@ __all__ = [
     "export_run",
     "hf_config",
     "model_card",
+    "vllm_warning",
     "write_export",
 ]

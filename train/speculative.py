@@ -15,8 +15,10 @@ target has produced but not yet consumed):
    every draft 1..k equals that argmax; `accepted` counts them.
 3. The committed tokens are the anchor and the accepted drafts (positions `start ..
    start + accepted`); the target's argmax after the last of them is the bonus token, the
-   next anchor. The target's KV cache and the drafter's context are cut back / extended to
-   exactly the committed positions, using the target features the verify forward computed.
+   next anchor. The target's cache and the drafter's context are cut back / extended to
+   exactly the committed positions, using the target features the verify forward computed
+   (train/target_cache.py: how each kind of cache layer, linear attention included, is cut
+   back exactly).
 
 Each verify commits `accepted + 1` tokens; the mean of that over verifications is the
 acceptance length tau reported by `dflash-train eval --online` (as z-lab's benchmark does).
@@ -68,7 +70,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ import torch.nn.functional as F
 from dflash.shards import hidden_state_index
 from dflash.train.dspark import is_dspark, sequential_drafts
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
+from dflash.train.target_cache import cache_kwarg, record_past, rollback, target_family
 
 SMALL_ROWS = 16
 """Up to this many rows, decoding on CPU picks the faster of F.linear and (W @ x.T).T."""
@@ -259,32 +261,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cache_kwarg(target: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: `cache` in newer transformers 5 releases,
-    `past_key_values` before (and deprecated since)."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-def _keep_sliding_past(cache: Any) -> None:
-    """Let the sliding-window layers of `cache` keep their past until `_crop`: without it a
-    sequence past the window cannot drop a verify's rejected positions (transformers raises).
-    Linear-attention (hybrid) layers are left alone: their recurrent state is not rolled back
-    exactly this way, and a loud error beats a silent wrong decoding."""
-    from transformers import cache_utils
-
-    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
-    for layer in getattr(cache, "layers", []):
-        if hasattr(layer, "activate_past_recording") and not isinstance(layer, linear):
-            layer.activate_past_recording()
-
-
-def _crop(cache: Any, length: int) -> None:
-    """Cut a Hugging Face KV cache back to its first `length` positions."""
-    remove = cache.get_seq_length() - length
-    if remove:
-        cache.crop(-remove)
-
-
 @_decoding
 @torch.inference_mode()
 def speculative_generate(
@@ -309,13 +285,14 @@ def speculative_generate(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     device = target.device
+    family = target_family(target)
     _sync(device)
     t0 = time.perf_counter()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T0]
     kv = DynamicCache(config=target.config)
-    _keep_sliding_past(kv)
-    cache_arg = _cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     out = target(prompt, **{cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    record_past(kv, block_size)  # after the prefill: the prefill stays the target's own (target_cache.py)
     proposer.reset()
     proposer.commit(target_features(out.hidden_states, layer_ids)[0])  # [T0, L*H]
     last = out.logits[0, -1:]  # [1, V]
@@ -350,7 +327,7 @@ def speculative_generate(
                 break
         acceptance.append(accepted + 1)
         drafted.append(size - 1)
-        _crop(kv, start + accepted + 1)
+        rollback(kv, start + accepted + 1, fed=size, family=family)
         proposer.commit(target_features(out.hidden_states, layer_ids)[0, : accepted + 1])  # [a+1, L*H]
     _sync(device)
     return DecodeResult(tokens=tokens, margins=margins, acceptance_lengths=acceptance, drafted=drafted,
