@@ -131,6 +131,27 @@ VARIANTS.update({
     "causal (full attention)": {**DEMO_NOW, "is_causal": True},
 })
 
+# The DSpark rows (issue 34): the demo's settings of 2026-12-03 (block 3, 1200 steps of 510 block
+# tokens, kl+ce, a 4,096-token draft vocabulary) on its cache (--cache), and DSpark
+# (`--drafter dspark`, train/dspark.py) at the same budget of block tokens per step. A DSpark
+# block of N drafts N tokens (its anchor predicts too): block 2 drafts what DFlash's block 3
+# does, with fewer queries; block 3 costs what DFlash's block 3 costs and drafts one more.
+# Rank 64, not speculators' 256: markov_w1 is [49,152, r] for SmolLM2, and on the demo's ~60k
+# reply tokens most of its rows never see a gradient; 64 keeps the head at ~3.4M parameters
+# beside the 1-layer backbone. Read them with --baseline "demo (2026-12-03)".
+DEMO_V3 = {**DEMO_V2, "block_size": 3, "tokens_per_step": 510, "max_steps": 1200, "draft_vocab": 4096}
+DSPARK = {"drafter": "dspark", "markov_rank": 64}
+VARIANTS.update({
+    "demo (2026-12-03)": DEMO_V3,
+    "dspark block 2": {**DEMO_V3, **DSPARK, "block_size": 2},
+    "dspark block 3": {**DEMO_V3, **DSPARK},
+    "dspark block 3 (rank 256)": {**DEMO_V3, **DSPARK, "markov_rank": 256},
+    "dspark block 3 + confidence": {**DEMO_V3, **DSPARK, "confidence_head": True},
+    # block 4 or more, where the Markov head has more positions to help: 128 blocks of 4
+    "demo at block 4": {**DEMO_V3, "block_size": 4, "tokens_per_step": 512},
+    "dspark block 4": {**DEMO_V3, **DSPARK, "block_size": 4, "tokens_per_step": 512},
+})
+
 
 def copy_target_layer(target: Path, cache: Path, layer: int, out: Path) -> Path:
     """A one-layer drafter folder (z-lab's layout, float32) that starts as the target's own

@@ -221,3 +221,12 @@ def test_a_strong_markov_bias_decides_the_drafts():
     block = torch.tensor([[2] + [V - 1] * 3])
     hidden = model.forward_block(head.embed(block), cache)
     assert sequential_drafts(model, hidden, block[:, 0], head)[0].tolist() == [3, 4, 5, 0]
+
+
+def test_the_model_card_serves_it_with_the_dspark_method():
+    from dflash.train.export import model_card
+    from dflash.train.loading import LoadedDrafter
+
+    card = model_card(LoadedDrafter(make_dspark(), Path("step-1"), 1, None), evaluation=None)
+    assert '"method": "dspark"' in card and card.startswith("---") and "# DSpark drafter" in card
+    assert '"num_speculative_tokens": 4' in card and "V2 model runner" in card and '"dflash"' not in card

@@ -266,7 +266,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         *([f"base_model: {target}"] if target else []),
         "---",
         "",
-        f"# DFlash drafter{f' for {target}' if target else ''}",
+        f"# {'DSpark' if c.markov_rank is not None else 'DFlash'} drafter{f' for {target}' if target else ''}",
         "",
         "A block-diffusion draft model for speculative decoding (DFlash, arXiv 2602.06036), trained "
         "with dflash from an offline target cache. It drafts a block of "

@@ -322,6 +322,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                    basis=caches[0].load_feature_basis() if corpus.spec.is_basis else None)
     gate = SpikeGate(config.gating)
     parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
+    if parallel_kind == "fsdp" and dspark.is_dspark(model):  # its heads act in the loss, outside FSDP2's forward
+        raise ValueError("--drafter dspark trains on one device or under DDP, not FSDP2: pass --parallel ddp")
     step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
 
     if is_main and resume_from is not None:
