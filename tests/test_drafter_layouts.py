@@ -81,13 +81,17 @@ def test_a_full_export_is_written_as_before():
     assert config["dflash_config"]["causal"] is False and "is_causal" not in config
 
 
-def test_the_model_card_states_the_layout(tmp_path):
-    from dflash.train.export import _attention_sentence
+def test_the_model_card_states_the_layout():
+    from dflash.train.export import _attention_sentence, _serving_lines
 
     assert _attention_sentence(make_config()) == ""
     assert _attention_sentence(make_config(layer_types=MIXED, sliding_window=6)) == (
         " Attention by layer: sliding window 6, causal; sliding window 6, causal; full, bidirectional inside the "
         "block.")
+    v2 = "set `VLLM_USE_V2_MODEL_RUNNER=1`"
+    assert any(v2 in line for line in _serving_lines(make_config(layer_types=MIXED, sliding_window=6), None))
+    only_sliding = make_config(layer_types=["sliding_attention"] * 3, sliding_window=6)
+    assert not any(v2 in line for line in _serving_lines(only_sliding, None) + _serving_lines(make_config(), None))
 
 
 # -- layouts users bring, built by hand -----------------------------------------------------
@@ -185,3 +189,48 @@ DFLASH2 = {"mask_token_id": 48, "target_layer_ids": [1, 4, 7], "conv_kernel_size
 def test_what_cannot_be_honoured_is_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
         drafter_config_from_hf(zlab_config(**{**QWEN36_LAYOUT, **changes}), "config.json")
+
+
+# -- vLLM's own reading ---------------------------------------------------------------------
+
+RESOLVE = """
+import json, sys
+from unittest import mock
+from transformers import Qwen3Config
+import vllm.model_executor.models.qwen3_dflash as q
+out = {}
+for path in sys.argv[1:]:
+    cfg = Qwen3Config(**json.load(open(path)))
+    # Mixed layouts need the V2 runner (vLLM refuses them under V1): resolve as it would.
+    with mock.patch.object(q, "get_current_vllm_config", lambda: mock.Mock(use_v2_model_runner=True)):
+        out[path] = [list(q._resolve_layer_attention(cfg, i)) for i in range(cfg.num_hidden_layers)]
+print(json.dumps(out))
+"""
+
+LAYOUTS = {"full": {}, "mixed": dict(layer_types=MIXED, sliding_window=6),
+           "mixed-bidirectional": dict(layer_types=MIXED, sliding_window=6, is_causal=False),
+           "sliding-causal": dict(layer_types=["sliding_attention"] * 3, sliding_window=6, is_causal=True),
+           "full-causal": dict(is_causal=True)}
+
+
+@pytest.mark.engine
+@pytest.mark.e2e
+def test_vllms_loader_reads_each_exported_layout_as_the_drafter_computes_it(tmp_path, engine_venv):
+    """vLLM's `_resolve_layer_attention` (its DFlash loader, imported, no engine started) gives
+    every layer of each export the (window, causal) the drafter trained with."""
+    import subprocess
+
+    paths = {}
+    for name, layout in LAYOUTS.items():
+        config = hf_config(make_config(**layout), dtype="float32")
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(config))
+    script = tmp_path / "resolve.py"
+    script.write_text(RESOLVE)
+    done = subprocess.run([str(engine_venv / "bin" / "python"), str(script), *map(str, paths.values())],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    resolved = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, layout in LAYOUTS.items():
+        c = make_config(**layout)
+        assert resolved[str(paths[name])] == [list(c.layer_attention(i)) for i in range(3)], name

@@ -185,14 +185,15 @@ def test_target_top1_takes_the_most_likely_cached_id():
     np.testing.assert_array_equal(target_top1(ids, logprobs), [7, 1])
 
 
+@pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}])
 @pytest.mark.parametrize("block_size", [2, 5])
-def test_offline_drafts_equal_the_inference_path(seed, block_size):
+def test_offline_drafts_equal_the_inference_path(seed, block_size, layout):
     """The packed training forward used offline drafts the same tokens as the inference path
-    (context cache of the features before the anchor, then one block)."""
+    (context cache of the features before the anchor, then one block), sliding layers too."""
     H, L, T = 16, 2, 23
     config = drafter_config(hidden_size=H, intermediate_size=32, head_dim=4, num_hidden_layers=2, vocab_size=V,
                             target_layer_ids=[0, 1], num_target_layers=3, block_size=block_size,
-                            mask_token_id=V - 1, initializer_range=0.5)
+                            mask_token_id=V - 1, initializer_range=0.5, **layout)
     drafter = DFlashDrafter(config, attention="dense").eval()
     head = TargetHead(embed_tokens=torch.randn(V, H), lm_head=torch.randn(V, H) * 3)
     input_ids, loss_mask, _, top1 = make_sequence(T, 4, seed=seed)

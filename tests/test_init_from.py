@@ -217,6 +217,13 @@ def test_a_layout_that_cannot_be_honoured_is_refused_by_name(cache_dir, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_layer_types_of_another_depth_than_the_sources_are_refused(cache_dir, tmp_path):
+    write_zlab_folder(tmp_path / "z-lab", num_layers=5, **QWEN36_LAYOUT)
+    with pytest.raises(ValueError, match=r"the source has 5 layers, --layer-types gives 2: give one type per layer"):
+        warm(cache_dir, tmp_path / "run", tmp_path / "z-lab", layer_types=["sliding_attention", "full_attention"],
+             sliding_window=8)
+
+
 def test_a_run_from_scratch_takes_its_layer_types(cache_dir, tmp_path):
     warm(cache_dir, tmp_path / "run", None, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     c = step0(tmp_path / "run").config

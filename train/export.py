@@ -61,7 +61,7 @@ from dflash.train.loading import (
     LoadedDrafter,
     load_drafter,
 )
-from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import eval_results_path, held_out_eval
 from dflash.train.serving import VLLM_VERSION, vllm_refusal
 
@@ -347,6 +347,9 @@ def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
         "target's dtype; for a float32 lossless check pass `--dtype float32` (vLLM's CPU build "
         "otherwise downcasts a float32 target to bfloat16, where near-ties flip):",
         "",
+        *([f"Its layers mix {SLIDING_ATTENTION} and {FULL_ATTENTION}, which vLLM's DFlash loader serves only "
+           "with its V2 model runner: set `VLLM_USE_V2_MODEL_RUNNER=1`.", ""]
+          if c.layer_types is not None and FULL_ATTENTION in c.layer_types else []),
         "```bash",
         f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
         "```",

@@ -432,12 +432,12 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     warm-starting, checked against the source), checked against the cache's spec."""
     spec = corpus.spec
     mask_given = model.mask_token_id is not None
-    given_layers = model.num_layers if model.layer_types is None else len(model.layer_types)
-    num_layers, mask_token_id = model_fields(source, num_layers=given_layers, mask_token_id=model.mask_token_id,
-                                             default_num_layers=DEFAULT_NUM_LAYERS)
     layer_types, sliding_window, is_causal = attention_fields(source, layer_types=model.layer_types,
                                                               sliding_window=model.sliding_window,
                                                               is_causal=model.is_causal)
+    given_layers = model.num_layers if model.layer_types is None else len(model.layer_types)
+    num_layers, mask_token_id = model_fields(source, num_layers=given_layers, mask_token_id=model.mask_token_id,
+                                             default_num_layers=DEFAULT_NUM_LAYERS)
     model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id, layer_types=layer_types,
                                 sliding_window=sliding_window, is_causal=is_causal)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,

@@ -203,6 +203,9 @@ def attention_fields(source: InitSource | None, *, layer_types: list[str] | None
     if source is None:
         return layer_types, sliding_window, is_causal
     c = source.config
+    if layer_types is not None and len(layer_types) != c.num_hidden_layers:
+        raise ValueError(f"--init-from {source.path}: the source has {c.num_hidden_layers} layers, --layer-types "
+                         f"gives {len(layer_types)}: give one type per layer of the source")
     layer_types = c.layer_types if layer_types is None else layer_types
     slides = layer_types is not None and SLIDING_ATTENTION in layer_types
     if sliding_window is None and slides:
