@@ -108,7 +108,7 @@ def test_sampled_at_temperature_1_matches_vllms_target_alone_with_the_cpu_expand
     vLLM 0.32's CPU build the draft positions' temperature is uninitialised memory), are
     homogeneous with vLLM's target alone at tokens 0-3 (chi-square, level 1e-3 over the 4
     positions), and vLLM's mean tau is within the 99% interval of dflash's. The stock engine,
-    while the build has the defect, differs at tokens 1-3 (drawn by the rejection sampler)
+    while the build has the defect, differs at one of tokens 1-3 at least (drawn by the rejection sampler)
     and agrees at token 0 (the prefill's, drawn by the plain sampler); without the defect it
     must pass like the repaired one. One engine process for the three engines."""
     from bench.engine_sampled import ALPHA, POSITIONS, format_report as format_sampled, run_sampled_check
@@ -123,6 +123,8 @@ def test_sampled_at_temperature_1_matches_vllms_target_alone_with_the_cpu_expand
     assert result["acceptance_vllm"]["dflash"] > 1.02  # some drafts are accepted at T = 1: there are counts to compare
     stock = {k: t["p"] >= ALPHA / len(POSITIONS) for k, t in result["lossless_vllm_stock"]["per_position"].items()}
     if result["cpu_expand"]["defect"]:
-        assert stock == {0: True, 1: False, 2: False, 3: False}, result["lossless_vllm_stock"]
+        # what the stock engine draws depends on the memory it reads (one run saw token 3 agree):
+        # at least one speculated token differs, and the prefill's token agrees
+        assert stock[0] and not all(stock[k] for k in (1, 2, 3)), result["lossless_vllm_stock"]
     else:
         assert all(stock.values())
