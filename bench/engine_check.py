@@ -753,7 +753,8 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
         family: Family = entry["family"]
         if family.refused_by is not None:
             report.append(refusal_row(entry["cases"][0], family, by_name[entry["cases"][0]],
-                                      log_path=config.work / "engine.log"))
+                                      log_path=config.work / "engine.log",
+                                      model_runner=entry.get("model_runners", {}).get(entry["cases"][0], "v1")))
             continue
         greedy = by_name[entry["target_alone"]]
         if "error" in greedy:
@@ -768,13 +769,14 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
                                      for e in prepared["families"] if e["family"].refused_by is None}}
 
 
-def refusal_row(name: str, family: Family, result: dict[str, Any], *, log_path: Path) -> dict[str, Any]:
+def refusal_row(name: str, family: Family, result: dict[str, Any], *, log_path: Path,
+                model_runner: str = "v1") -> dict[str, Any]:
     """The report row of a drafter vLLM must refuse: a failure unless its error holds the reason."""
     error = (engine_root_cause(log_path, name) or result["error"]) if "error" in result else None
     failures = [] if error is not None and family.refused_by in error else [
         f"vLLM was to refuse this drafter ({family.refused_by!r}); {'it served it' if error is None else error}"]
     return {"name": name, "family": family.name, "broken": False, "refused": error, "failures": failures,
-            "near_ties": []}
+            "near_ties": [], "model_runner": model_runner}
 
 
 def _figures_line(label: str, f: dict[str, Any]) -> str:
