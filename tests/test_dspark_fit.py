@@ -53,10 +53,9 @@ def test_a_dspark_run_trains_its_heads(straight_run):
     assert first != last
 
 
-# test_train_fit's driver, with each checkpoint finished before the next step through the
-# writer's `start` (fit hands snapshots to `start`; the driver's `save` is not on that path), so
-# that on a loaded machine the kill at step 5 surely lands after the step-3 write.
-WAITING_DRIVER = DRIVER.replace("checkpoint.CheckpointWriter.save", "checkpoint.CheckpointWriter.start")
+# test_train_fit's driver: each checkpoint finished before the next step (through the writer's
+# `start`), so that on a loaded machine the kill at step 5 surely lands after the step-3 write.
+WAITING_DRIVER = DRIVER
 
 
 def test_resume_after_sigkill_is_exact(cache_dir, straight_run, tmp_path, monkeypatch):

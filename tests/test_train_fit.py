@@ -59,12 +59,13 @@ config = FitConfig.from_dict(json.loads(sys.argv[1]))
 kill_at, mode = int(sys.argv[2]), sys.argv[3]
 if mode == "between-checkpoints":
     # Finish each checkpoint before the next step, so that the kill surely lands after the
-    # step-3 write (only the timing changes, not a number).
-    save = checkpoint.CheckpointWriter.save
-    def save_and_wait(self, *args, **kwargs):
-        save(self, *args, **kwargs)
+    # step-3 write (only the timing changes, not a number). fit hands its snapshots to the
+    # writer's `start`, so that is where the wait goes.
+    start = checkpoint.CheckpointWriter.start
+    def start_and_wait(self, *args, **kwargs):
+        start(self, *args, **kwargs)
         self.wait()
-    checkpoint.CheckpointWriter.save = save_and_wait
+    checkpoint.CheckpointWriter.start = start_and_wait
     log_step = fit_module.RunLogger.step
     def step(self, record):
         log_step(self, record)
