@@ -1,5 +1,6 @@
-"""The embedded default, end to end: a DFlash drafter for SmolLM2-135M-Instruct on chitchat
-conversations, on a laptop CPU, in about 15 minutes (`make demo`, which runs
+"""The embedded default, end to end: a DSpark drafter (DFlash's backbone plus a Markov head:
+each draft sees the one before it) for SmolLM2-135M-Instruct on chitchat conversations, on a
+laptop CPU, in about 15 minutes (`make demo`, which runs
 `python -m demo.run` from the repository root).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
@@ -10,11 +11,14 @@ trained drafter offline and online (real speculative decoding against the target
 (default `.demo/` in the repository); a rerun reuses what is there: the prepared target and
 prompts, the finished cache, the finished run.
 
-The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, block size 3, 768
+The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, a Markov head of
+rank 64, block size 3, 768
 one-exchange conversations whose replies the target regenerates greedily, 1,200 steps, and a
 draft vocabulary of the 4,096 most frequent reply tokens (scoring the whole 49,152-row head
 was most of a training step and of a draft). Each of these is the best measured within the
-demo's time (bench/RESULTS.md "recipe" has every change tried, with 3 seeds).
+demo's time (bench/RESULTS.md "recipe" has every change tried, with 3 seeds; DSpark beat
+DFlash there on tau offline and online, on every seed, at the same budget). `--drafter dflash`
+trains the plain DFlash drafter instead.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -68,8 +73,16 @@ class DemoConfig:
     """Basis codecs: coefficients per token (0: the target's hidden size)."""
     num_layers: int = 1
     """Drafter decoder layers."""
+    drafter: Literal["dflash", "dspark"] = "dspark"
+    """`fit --drafter`: dspark adds a low-rank Markov head, so each draft sees the draft before it
+    (bench/RESULTS.md "recipe": higher tau than dflash on every seed at the same budget); served
+    by vLLM's `dspark` method, on its V2 model runner."""
+    markov_rank: int = 64
+    """dspark: `fit --markov-rank` (64, not fit's 256: markov_w1 has a row per vocabulary token,
+    and the demo trains only briefly)."""
     block_size: int = 3
-    """Draft block size: the anchor and block_size - 1 drafts per verify. Small, not fit's 16: a
+    """Draft block size: a DFlash block is the anchor and block_size - 1 drafts per verify; a DSpark
+    block drafts block_size (each position predicts the next token). Small, not fit's 16: a
     drafter this small and this briefly trained rarely has more than 2 drafts accepted, and on a
     CPU a verify costs more for every token it checks, so checking fewer drafts is faster."""
     anchors_per_seq: int = 32
@@ -207,7 +220,8 @@ def run_demo(config: DemoConfig) -> None:
 
     fit_args = [
         bin_path("dflash-train"), "fit", *[arg for c in caches for arg in ("--cache", str(c))], "--out", str(run_dir),
-        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size),
+        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size), "--drafter", config.drafter,
+        *(["--markov-rank", str(config.markov_rank)] if config.drafter == "dspark" else []),
         "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
         "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
         "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
@@ -244,6 +258,7 @@ def run_demo(config: DemoConfig) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [m for m in metrics if "step" in m and "loss" in m]
     speedup = online["tokens_per_s"] / online["baseline_tokens_per_s"]
+    drafts = config.block_size if config.drafter == "dspark" else config.block_size - 1
     print("\n== summary")
     print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
           f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
@@ -258,7 +273,8 @@ def run_demo(config: DemoConfig) -> None:
     print(f"  training     {steps[-1]['step']} steps in {train_s:,.0f} s; loss {steps[0]['loss']:.3f} -> "
           f"{steps[-1]['loss']:.3f}")
     print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
-          f"({after['num_anchors']:,} held-out anchors, block {config.block_size})")
+          f"({after['num_anchors']:,} held-out anchors, {config.drafter} block {config.block_size}: {drafts} drafts "
+          "per verify)")
     print(f"  tau online   {online['acceptance_length']:.3f} at block {config.block_size} over "
           f"{online['num_prompts']} held-out prompts (replayed from the cache on the same prompts "
           f"{paired['replay_acceptance_length']:.3f}); lossless: {'yes' if online['lossless'] else 'NO'}")

@@ -43,6 +43,16 @@ def test_resume_refuses_a_changed_numeric_field(tmp_path):
         check_resume(tmp_path / "config.json", FitConfig.from_dict({"cache": ["c"], "out": str(tmp_path), "lr": 2e-3}))
 
 
+def test_resume_ignores_the_markov_rank_of_a_dflash_run_only(tmp_path):
+    base = {"cache": ["c"], "out": str(tmp_path)}
+    (tmp_path / "config.json").write_text(json.dumps(FitConfig.from_dict(base).to_dict()))
+    check_resume(tmp_path / "config.json", FitConfig.from_dict({**base, "markov_rank": 64}))  # no Markov head
+    (tmp_path / "config.json").write_text(json.dumps(FitConfig.from_dict({**base, "drafter": "dspark"}).to_dict()))
+    with pytest.raises(ValueError, match="markov_rank = 256"):
+        check_resume(tmp_path / "config.json", FitConfig.from_dict({**base, "drafter": "dspark", "markov_rank": 64}))
+    with pytest.raises(ValueError, match="drafter = 'dspark'"):
+        check_resume(tmp_path / "config.json", FitConfig.from_dict(base))
+
 
 def test_toml_section_tables_and_top_level_keys_mix(tmp_path):
     path = tmp_path / "fit.toml"

@@ -79,6 +79,22 @@ def test_resumed_logger_drops_steps_past_the_checkpoint(tmp_path):
         [1, 2, 3, 4, 5]
 
 
+def test_resumed_logger_drops_events_and_spikes_past_the_checkpoint(tmp_path):
+    """The redone steps log their evaluations and skipped updates again: the old lines must go."""
+    from dflash.train.logging import RunLogger
+
+    events = [{"event": "start", "step": 0}, {"event": "eval", "step": 4}, {"event": "checkpoint", "step": 5},
+              {"event": "eval", "step": 6}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "spikes.jsonl").write_text("".join(json.dumps({"step": s, "reason": "loss"}) + "\n" for s in (3, 7)))
+    logger = RunLogger(tmp_path, enabled=True, resume_step=5)
+    logger.event("resume", step=5)
+    logger.close()
+    kept = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in kept] == [("start", 0), ("eval", 4), ("checkpoint", 5), ("resume", 5)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "spikes.jsonl").read_text().splitlines()] == [3]
+
+
 def test_fresh_logger_drops_steps_of_an_attempt_without_checkpoint(tmp_path):
     """A restart with no checkpoint redoes steps 1..k: their old lines must not stay (fault F8)."""
     from dflash.train.logging import RunLogger

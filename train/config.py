@@ -471,7 +471,9 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
     current = config.to_dict()
     defaults = {info.name: None if info.default is dataclasses.MISSING else info.default
                 for info in describe_fields()}
-    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"}):
+    # A DFlash run has no Markov head: its rank changes nothing, whatever either call said.
+    dflash = saved.get("drafter", defaults["drafter"]) == current["drafter"] == "dflash"
+    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"} - ({"markov_rank"} if dflash else set())):
         a, b = saved.get(name, defaults[name]), current[name]
         if name == "cache":
             a = [str(Path(p).resolve()) for p in a or []]

@@ -328,11 +328,16 @@ def _attention_sentence(c: DrafterConfig) -> str:
     return f" Attention by layer: {'; '.join(kinds)} inside the block."
 
 
+def _vllm_placeholders(target: str | None, method: str, num_speculative_tokens: int) -> tuple[str, str]:
+    """(the target's placeholder path, vLLM's quoted --speculative-config) for a card's serving lines."""
+    spec = (f"'{{\"method\": \"{method}\", \"model\": \"/path/to/THIS/FOLDER\", "
+            f"\"num_speculative_tokens\": {num_speculative_tokens}}}'")
+    return (f"/path/to/{target}" if target else "/path/to/TARGET"), spec
+
+
 def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
     """How to serve the folder with each engine (block size B: B - 1 drafted tokens per step)."""
-    target = f"/path/to/{target}" if target else "/path/to/TARGET"
-    spec = (f"'{{\"method\": \"dflash\", \"model\": \"/path/to/THIS/FOLDER\", "
-            f"\"num_speculative_tokens\": {c.block_size - 1}}}'")
+    target, spec = _vllm_placeholders(target, "dflash", c.block_size - 1)
     return [
         "## Serving",
         "",
@@ -380,9 +385,7 @@ def _dspark_lines(c: DrafterConfig) -> list[str]:
 
 def _dspark_serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
     """How to serve a DSpark folder: vLLM's `dspark` method, which runs on its V2 model runner."""
-    target = f"/path/to/{target}" if target else "/path/to/TARGET"
-    spec = (f"'{{\"method\": \"dspark\", \"model\": \"/path/to/THIS/FOLDER\", "
-            f"\"num_speculative_tokens\": {c.block_size}}}'")
+    target, spec = _vllm_placeholders(target, "dspark", c.block_size)
     return [
         "## Serving",
         "",

@@ -9,7 +9,9 @@ accuracies as `accuracy/k`) and the events' numbers; it runs offline unless `WAN
 says otherwise. Files are appended and flushed per line, so a crash loses at most the line
 being written; at every start, step lines past the step the run starts from are dropped
 (they are redone): past the checkpoint on resume, all of them on a fresh start over an earlier
-attempt that left no checkpoint, so metrics.jsonl never holds a step twice.
+attempt that left no checkpoint, so metrics.jsonl never holds a step twice. events.jsonl and
+spikes.jsonl lose their lines past that step the same way (a redone checkpoint, evaluation or
+skipped step logs itself again); the start and resume lines of every attempt stay.
 
 The console line cannot be misread: the epoch is 1-based out of the total with the
 fraction done inside it, the step is global out of the total:
@@ -24,7 +26,7 @@ import os
 from pathlib import Path
 
 from dflash.shards.files import write_atomic
-from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, WANDB_ID_FILE
+from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, SPIKES_FILE, WANDB_ID_FILE
 
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",
              "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "step_time_s")
@@ -87,7 +89,8 @@ class RunLogger:
     def __init__(self, run_dir: Path, *, enabled: bool, wandb_config: dict | None = None,
                  wandb_project: str = "dflash", resume_step: int = 0):
         """resume_step: the step training starts from (the checkpoint's, 0 for a fresh start);
-        metrics.jsonl lines past it, left by an earlier attempt, are dropped."""
+        the lines past it that an earlier attempt left in metrics.jsonl, events.jsonl and
+        spikes.jsonl are dropped: those steps run again and log themselves again."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = None
@@ -95,8 +98,9 @@ class RunLogger:
         if not enabled:
             return
         metrics = self.run_dir / METRICS_FILE
-        if metrics.exists():
-            _truncate_after(metrics, resume_step)
+        for name in (METRICS_FILE, EVENTS_FILE, SPIKES_FILE):
+            if (self.run_dir / name).exists():
+                _truncate_after(self.run_dir / name, resume_step)
         self._metrics = open(metrics, "a", buffering=1)
         self._events = open(self.run_dir / EVENTS_FILE, "a", buffering=1)
         if wandb_config is not None:
