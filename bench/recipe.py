@@ -127,7 +127,7 @@ DSPARK = {"drafter": "dspark", "markov_rank": 64}
 VARIANTS.update({
     "demo (2026-12-03)": DEMO_V3,
     "dspark block 2": {**DEMO_V3, **DSPARK, "block_size": 2},
-    "dspark block 3": {**DEMO_V3, **DSPARK},
+    "dspark block 3": {**DEMO_V3, **DSPARK},  # the demo's drafter since it won here on tau, 3 seeds
     "dspark block 3 (rank 256)": {**DEMO_V3, **DSPARK, "markov_rank": 256},
     "dspark block 3 + confidence": {**DEMO_V3, **DSPARK, "confidence_head": True},
     # block 4 or more, where the Markov head has more positions to help: 128 blocks of 4

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.shards import open_cache
 from dflash.shards.basis import SecondMoment, fit_basis
+from dflash.shards.files import file_sha256
 from dflash.testing.builders import FIT_LENGTHS, tiny_fit_config
 from dflash.train.basis import fold_basis
 from dflash.train.checkpoint import list_checkpoints
@@ -24,7 +25,7 @@ from dflash.train.evaluate import evaluate_offline
 from dflash.train.export import export_run, write_export
 from dflash.train.fit import fit
 from dflash.train.identity import read_run_info
-from dflash.train.init_from import file_sha256, unfold_basis
+from dflash.train.init_from import unfold_basis
 from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache

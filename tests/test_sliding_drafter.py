@@ -242,3 +242,18 @@ def test_speculative_decoding_with_a_sliding_drafter_is_lossless_past_its_window
                                max_new_tokens=20, block_size=block_size, layer_ids=[1, 3], stop_token_ids=set())
     assert out.tokens == reference.tokens
     assert sum(out.acceptance_lengths) == 20 - 1
+
+
+def test_model_flops_count_a_sliding_layer_over_its_window_only():
+    from dflash.train.model import model_flops_per_token
+
+    full = config()
+    mixed = config(layer_types=MIXED, sliding_window=8)
+    c = full
+    attention_per_key = 2 * 2 * c.num_attention_heads * c.head_dim * 3.0  # forward and backward
+    context = 100.0
+    # two of the three layers see 8 keys instead of context + block
+    assert model_flops_per_token(full, context) - model_flops_per_token(mixed, context) == pytest.approx(
+        2 * attention_per_key * (context + B - 8))
+    wide = config(layer_types=MIXED, sliding_window=10_000)  # a window past every key: full attention's count
+    assert model_flops_per_token(wide, context) == model_flops_per_token(full, context)

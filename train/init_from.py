@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from dflash.shards.files import write_json_atomic
+from dflash.shards.files import file_sha256, write_json_atomic
 from dflash.shards.target_info import TargetInfo
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.identity import RUN_INFO_FILE, read_run_info
@@ -99,14 +99,6 @@ class InitSource:
         return cls(path=record["path"], kind=record["kind"], weights=record["weights"],
                    weights_sha256=record["weights_sha256"], config=DrafterConfig.from_dict(record["config"]),
                    target_fingerprint=record.get("target_fingerprint"))
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_source(path: str | Path) -> InitSource:

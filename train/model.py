@@ -799,15 +799,18 @@ def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float) 
     """Training FLOPs (forward + backward, 3x forward) per block token, for MFU.
 
     Counts the layers' matmuls on block tokens and attention over `mean_context_per_query`
-    visible keys; context projections (fc and per-layer k/v of context rows) are per context
-    row and left out, as is the frozen LM head inside the loss (counted by the caller).
+    visible keys (a sliding layer's at most its window's); context projections (fc and
+    per-layer k/v of context rows) are per context row and left out, as is the frozen LM head
+    inside the loss (counted by the caller).
     """
     c = config
     h, hd = c.hidden_size, c.head_dim
     per_layer = 2 * h * (c.num_attention_heads * hd) * 2 + 2 * h * (c.num_key_value_heads * hd) * 2 \
         + 3 * 2 * h * c.intermediate_size
-    attn = 2 * 2 * c.num_attention_heads * hd * (mean_context_per_query + c.block_size)
-    return 3.0 * c.num_hidden_layers * (per_layer + attn)
+    kinds = c.layer_types or [FULL_ATTENTION] * c.num_hidden_layers
+    keys = sum(min(mean_context_per_query + c.block_size, c.sliding_window) if kind == SLIDING_ATTENTION
+               else mean_context_per_query + c.block_size for kind in kinds)
+    return 3.0 * (c.num_hidden_layers * per_layer + 2 * 2 * c.num_attention_heads * hd * keys)
 
 
 __all__ = [
