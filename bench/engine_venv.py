@@ -19,8 +19,9 @@ ENGINE_READY = ".dflash-engine-ready"  # written into the venv by bench/engine_v
 
 
 def engine_venv(path: str | Path | None = None) -> Path:
-    """The engine venv: `path`, else $DFLASH_ENGINE_VENV, else REPO/.venv-engine."""
-    return Path(path or os.environ.get(ENGINE_VENV_ENV) or DEFAULT_ENGINE_VENV)
+    """The engine venv: `path`, else $DFLASH_ENGINE_VENV, else REPO/.venv-engine, as an absolute
+    path (the engine process runs in the check's work folder, where a relative one is wrong)."""
+    return Path(path or os.environ.get(ENGINE_VENV_ENV) or DEFAULT_ENGINE_VENV).expanduser().absolute()
 
 
 def engine_venv_ready(venv: Path) -> bool:
