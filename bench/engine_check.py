@@ -471,7 +471,7 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
     (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other,
     and all results to work/engine-out.json; RuntimeError with the log's tail if a process
     dies."""
-    python = venv / "bin" / "python"
+    python, work = venv / "bin" / "python", work.absolute()  # paths stay right in the engine's cwd, work
     if not python.is_file():
         raise FileNotFoundError(f"{python}: no engine venv; build it with `bash bench/engine_venv.sh {venv}`")
     job_path, out_path, log_path = work / "engine-job.json", work / "engine-out.json", work / "engine.log"
@@ -925,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
                              "bfloat16 export's rounding can tip a drafter near-tie and fail a step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
+    for name in ("run", "target", "prompts", "cache", "work"):  # the engine process runs in the work folder
+        if getattr(args, name) is not None:
+            setattr(args, name, getattr(args, name).expanduser().absolute())
     venv = engine_venv(args.engine_venv)
     if args.run is not None:
         if args.target is None or args.prompts is None:

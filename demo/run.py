@@ -117,7 +117,10 @@ class DemoConfig:
     engine_check: bool = field(default=False, metadata={ONLY_ON: True})
     """After the summary, decode the same held-out prompts in vLLM's CPU build with the exported
     drafter (bench/engine_check.py: lossless, vLLM's per-step acceptance against dflash's, speeds
-    at batch 1 and batched); builds the engine venv (.venv-engine) when absent."""
+    at batch 1 and batched); builds the engine venv (.venv-engine) when absent. A DSpark drafter
+    runs on vLLM's V2 runner, which on a CPU goes through Triton's interpreter inside the check's
+    engine process: slow (4 prompts of 24 tokens took about 5 minutes); `python -m
+    bench.engine_check --run .demo/run ... --limit 4 --max-new-tokens 24` checks fewer."""
 
     def __post_init__(self) -> None:
         check_choices(self)
