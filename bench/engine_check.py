@@ -471,7 +471,7 @@ def run_engine(venv: Path, job: dict[str, Any], work: Path) -> list[dict[str, An
     (bench/engine_vllm.py says how). Their logs go to work/engine.log, one after the other,
     and all results to work/engine-out.json; RuntimeError with the log's tail if a process
     dies."""
-    python, work = venv / "bin" / "python", work.absolute()  # paths stay right in the engine's cwd, work
+    python, work = venv / "bin" / "python", work.absolute()  # the engine process runs in `work`
     if not python.is_file():
         raise FileNotFoundError(f"{python}: no engine venv; build it with `bash bench/engine_venv.sh {venv}`")
     job_path, out_path, log_path = work / "engine-job.json", work / "engine-out.json", work / "engine.log"
@@ -554,9 +554,10 @@ def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, d
     spec = None
     if drafter is not None:
         how = serving(drafter)
-        spec = {"method": how.method, "model": str(drafter), "num_speculative_tokens": how.num_drafts}
+        spec = {"method": how.method, "model": str(Path(drafter).absolute()), "num_speculative_tokens": how.num_drafts}
         model_runner = model_runner or how.model_runner
-    return {"name": name, "target": str(target), "speculative_config": spec, "max_tokens": max_tokens,
+    # Absolute paths: the engine process runs in the check's work folder (run_engine).
+    return {"name": name, "target": str(Path(target).absolute()), "speculative_config": spec, "max_tokens": max_tokens,
             "messages": prompts.messages, "chat_template_kwargs": prompts.chat_template_kwargs,
             "chat_template": prompts.chat_template, "modes": list(modes), "model_runner": model_runner or "v1"}
 
@@ -925,9 +926,6 @@ def main(argv: list[str] | None = None) -> int:
                              "bfloat16 export's rounding can tip a drafter near-tie and fail a step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
-    for name in ("run", "target", "prompts", "cache", "work"):  # the engine process runs in the work folder
-        if getattr(args, name) is not None:
-            setattr(args, name, getattr(args, name).expanduser().absolute())
     venv = engine_venv(args.engine_venv)
     if args.run is not None:
         if args.target is None or args.prompts is None:

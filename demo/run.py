@@ -261,7 +261,6 @@ def run_demo(config: DemoConfig) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [m for m in metrics if "step" in m and "loss" in m]
     speedup = online["tokens_per_s"] / online["baseline_tokens_per_s"]
-    drafts = config.block_size if config.drafter == "dspark" else config.block_size - 1
     print("\n== summary")
     print(f"  cache        {precompute['num_sequences']:,} sequences, {precompute['num_tokens']:,} tokens, "
           f"{precompute['bytes_per_token']['total']:,.0f} bytes/token")
@@ -276,8 +275,8 @@ def run_demo(config: DemoConfig) -> None:
     print(f"  training     {steps[-1]['step']} steps in {train_s:,.0f} s; loss {steps[0]['loss']:.3f} -> "
           f"{steps[-1]['loss']:.3f}")
     print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
-          f"({after['num_anchors']:,} held-out anchors, {config.drafter} block {config.block_size}: {drafts} drafts "
-          "per verify)")
+          f"({after['num_anchors']:,} held-out anchors, {config.drafter} block {config.block_size}: "
+          f"{after['block_size'] - 1} drafts per verify)")  # eval's block_size is the verify's
     print(f"  tau online   {online['acceptance_length']:.3f} at block {config.block_size} over "
           f"{online['num_prompts']} held-out prompts (replayed from the cache on the same prompts "
           f"{paired['replay_acceptance_length']:.3f}); lossless: {'yes' if online['lossless'] else 'NO'}")
