@@ -385,3 +385,24 @@ def test_the_small_row_product_stays_off_cuda():
     before = F.linear
     with decoding_linear(torch.device("cuda")):
         assert F.linear is before
+
+
+@pytest.mark.parametrize("near_tie, lossless_line, mismatch_line", [
+    (True, "lossless yes (1 near-tie within bfloat16 rounding, no real mismatch)",
+     "near-tie p.jsonl:3 at token 5: target 11 (margin 0, gap to it 0 (bound 0.25)), speculative 12"),
+    (False, "lossless NO (1 real mismatch)",
+     "mismatch p.jsonl:3 at token 5: target 11 (margin 2, gap to it 2 (bound 0.25)), speculative 12"),
+])
+def test_the_report_names_near_ties_and_real_mismatches(near_tie, lossless_line, mismatch_line):
+    from dflash.train.evaluate import format_report
+
+    gap = 0.0 if near_tie else 2.0
+    online = {"acceptance_length": 2.0, "num_verifications": 10, "num_prompts": 1, "tokens_per_s": 10.0,
+              "baseline_tokens_per_s": 5.0, "speedup": 2.0, "device": "cuda", "dtype": "bfloat16",
+              "temperature": 0.0, "seed": None, "rejected": [], "lossless": near_tie,
+              "num_near_ties": int(near_tie), "num_real_mismatches": int(not near_tie),
+              "mismatches": [{"file": "p.jsonl", "index": 3, "position": 5, "reference_token": 11,
+                              "speculative_token": 12, "reference_margin": gap, "reference_gap": gap,
+                              "tie_bound": 0.25, "near_tie": near_tie}]}
+    report = format_report({"checkpoint": "run/checkpoints/step-1", "online": online})
+    assert lossless_line in report and mismatch_line in report
