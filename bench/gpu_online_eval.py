@@ -19,10 +19,13 @@ On CUDA a third row decodes bf16 with torch's default attention backends, cuDNN'
 length, so that row shows what the per-length builds cost; `sdpa_backends` names the backend
 torch picks for a bf16 one-token step and a bf16 verify, with and without cuDNN.
 
-Size: 16 layers, hidden 2048, vocabulary 32,000 (about 1.1 B parameters, 4.4 GB in float32),
-so that a decode step reads enough bytes for bf16 to matter beside kernel launches; 4 prompts of
-64-256 tokens, 128 new tokens each, block 16. About a minute on an H200, imports included;
-`--budget-s` skips the rows that would start past it.
+Size: 8 layers of Llama-2-7B's shape (hidden 4096, 32 heads over 8 KV heads of 128, MLP
+11,008), vocabulary 32,000: about 1.7 B parameters, 6.7 GB in float32, so that a decode step
+reads enough bytes (about 2 ms of an H200's bandwidth in float32) for bf16's halving to show
+beside transformers' kernel launches (a few hundred a step, which bf16 adds a few casts to); a
+smaller target is launch-bound and compares launch counts, not dtypes. 4 prompts of 64-256
+tokens, 128 new tokens each, block 16; the cuDNN row decodes one prompt, 64 new tokens. About
+a minute on an H200, imports included; `--budget-s` skips the rows that would start past it.
 
     python bench/gpu_online_eval.py [--json]                    # CUDA
     python bench/gpu_online_eval.py --device cpu --quick --json # the same logic on CPU (CI smoke)
@@ -48,8 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 TARGET_SIZES = {
-    "full": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                 num_attention_heads=16, num_key_value_heads=4, head_dim=128),
+    "full": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=8,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     "quick": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
@@ -176,16 +179,16 @@ def main() -> int:
     prompts = [Prompt(source={"file": "random", "index": i},
                       token_ids=torch.randint(0, size["vocab_size"] - 1, (64 + 64 * i,), generator=generator).tolist())
                for i in range(num_prompts)]
-    plan = [(torch.bfloat16, "decoding", prompts), (torch.float32, "decoding", prompts)]
-    if device.type == "cuda":  # the eval before the fix, on two prompts (each key length builds a cuDNN graph)
-        plan.append((torch.bfloat16, "torch default", prompts[:2]))
+    plan = [(torch.bfloat16, "decoding", prompts, max_new_tokens), (torch.float32, "decoding", prompts, max_new_tokens)]
+    if device.type == "cuda":  # the eval before the fix, shorter: each new key length builds a cuDNN graph
+        plan.append((torch.bfloat16, "torch default", prompts[:1], min(64, max_new_tokens)))
     rows, skipped = [], []
-    for dtype, attention, row_prompts in plan:
+    for dtype, attention, row_prompts, row_tokens in plan:
         if time.perf_counter() - start > args.budget_s:
             skipped.append(f"{dtype} {attention}")
             continue
         rows.append(decode_row(target, drafter, row_prompts, dtype=dtype, attention=attention,
-                               max_new_tokens=max_new_tokens, block_size=args.block_size))
+                               max_new_tokens=row_tokens, block_size=args.block_size))
     backends = sdpa_backends(size, device, 256, args.block_size)
     num_parameters = sum(p.numel() for p in target.parameters())
 
