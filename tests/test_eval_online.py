@@ -359,21 +359,29 @@ def test_bf16_decoding_differs_only_at_near_ties(bf16_target, block_size):
     assert result["num_near_ties"] == len(result["mismatches"])
 
 
+@pytest.mark.parametrize("caller_flash", [True, False])
 @pytest.mark.parametrize("device, cudnn", [("cpu", True), ("cuda", False)])
-def test_decoding_attention_leaves_out_cudnn_on_cuda_only(device, cudnn):
+def test_decoding_attention_leaves_out_cudnn_on_cuda_only(device, cudnn, caller_flash):
     """cuDNN's attention builds a graph per key length (a new one every decode step): decoding
-    on CUDA runs without it, and torch's flags come back after; the CPU is left alone."""
+    on CUDA runs without it, the other backends as the caller set them, and torch's flags come
+    back after; the CPU is left alone."""
     from dflash.train.speculative import decoding_attention
 
     flags = torch.backends.cuda
-    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
-              flags.math_sdp_enabled())
-    assert before == (True, True, True, True)
-    with decoding_attention(torch.device(device)):
-        assert flags.cudnn_sdp_enabled() is cudnn
-        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
-    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
-            flags.math_sdp_enabled()) == before
+
+    def state():
+        return (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
+                flags.math_sdp_enabled())
+
+    flags.enable_flash_sdp(caller_flash)
+    try:
+        before = state()
+        assert before == (True, caller_flash, True, True)
+        with decoding_attention(torch.device(device)):
+            assert state() == (cudnn, caller_flash, True, True)
+        assert state() == before
+    finally:
+        flags.enable_flash_sdp(True)
 
 
 def test_the_small_row_product_stays_off_cuda():

@@ -46,20 +46,25 @@ Numerics: the verify forward runs the target on B query tokens at once, while th
 (`transformers`' `generate`) runs one token at a time. The two can differ in the last bits,
 which flips an argmax only at a near-tie. Every generated token therefore carries the
 target's top-1 minus top-2 logit margin at that step and its TOP_K best tokens with their
-logits, so that a mismatch can be judged: `dflash.train.online.near_tie_bound` says how close a tie
-must be for the target's dtype (a float32 target makes the check exact nearly to the last bit;
-bf16 logits sit on a grid of 2^-8 relative, and ties there are common, random targets most).
+logits, so that a mismatch can be judged: `dflash.train.online.near_tie_bound` says how close
+a tie must be for the target's dtype (a float32 target makes the check exact nearly to the
+last bit; bf16 logits sit on a grid of 2^-8 relative, and ties there are common, on random
+targets most).
 
 Attention on CUDA: decoding grows the key length by one or a few positions every step. On
-Hopper and Blackwell (sm90, sm100) torch (2.9 and later, with cuDNN 9.15 or later) puts cuDNN's
-attention first for bf16/fp16 inputs, and cuDNN builds and caches one execution graph per
-problem shape, the key length included: a new length is a new graph, tens of milliseconds of
-host time each, at every decode step and every verify (float32 is not cuDNN's, so it never
-paid). That made bf16 online eval on an H200 3-4x slower than float32. Both loops here
-therefore decode with cuDNN's attention switched off (`decoding_attention`): flash attention
-for the one-token steps and the drafter's unmasked block, memory-efficient attention for the
+Hopper and Blackwell (sm90, sm100) recent torch (2.9 and later, with a recent cuDNN) puts
+cuDNN's attention first for bf16/fp16 inputs, and cuDNN builds and caches one execution graph
+per problem shape, the key length included: a new length is a new graph, some 20-40 ms of host
+time each (reported for torch 2.13 on sm90), at every decode step and every verify. Float32
+is not cuDNN's, so it never paid. This is why bf16 online eval on an H200 ran 3-4x slower than
+float32 (issue 42: 11-13 s a prompt against 3.6 s at 256 new tokens, which make some 300-500
+new key lengths a prompt between the greedy reference, the verifies and the drafter's blocks:
+8-10 s of graph builds at those costs); `bench/gpu_online_eval.py` measures it, with a row
+decoded with cuDNN's attention allowed. Both loops here therefore decode
+with cuDNN's attention switched off (`decoding_attention`), which leaves flash attention for
+the one-token steps and the drafter's unmasked block and memory-efficient attention for the
 masked verify, neither of which compiles per shape. Switched off for the call only, on CUDA
-only.
+only; the greedy baseline gets the same, so the speedup compares like with like.
 
 Speed on CPU: a product with a few rows, `F.linear(x, W)` with x [M, K] and M = 2..16 (the
 verify forward's block, the drafter's B - 1 head rows), can take a GEMM path that costs 2-4x
@@ -90,7 +95,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash.shards import hidden_state_index
 from dflash.train.dspark import is_dspark, sequential_drafts
@@ -155,20 +159,20 @@ def decoding_linear(device: torch.device) -> Iterator[None]:
         F.linear = _TORCH_LINEAR
 
 
-DECODING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""What scaled_dot_product_attention may use while decoding on CUDA: all but cuDNN's, which
-builds a graph per key length (module docstring)."""
-
-
 @contextlib.contextmanager
 def decoding_attention(device: torch.device) -> Iterator[None]:
-    """Inside the block, on CUDA, scaled_dot_product_attention picks among
-    `DECODING_SDPA_BACKENDS` only; torch's backend flags are restored after it."""
+    """Inside the block, on CUDA, scaled_dot_product_attention does not use cuDNN's backend,
+    which builds a graph per key length (module docstring); the other backends stay as the
+    caller set them, and cuDNN's flag is restored after the block."""
     if device.type != "cuda":
         yield
         return
-    with sdpa_kernel(list(DECODING_SDPA_BACKENDS)):
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
         yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def _decoding(fn):
@@ -435,7 +439,6 @@ def greedy_generate(
 
 
 __all__ = [
-    "DECODING_SDPA_BACKENDS",
     "TOP_K",
     "DecodeResult",
     "DrafterProposer",
