@@ -5,8 +5,9 @@ Issue 42 saw online eval on an H200 report "lossless NO" on 4 of 5 prompts in bf
 (`dflash.train.online.evaluate_online`: the target's greedy `generate`, then speculative
 decoding, prompt by prompt) on a random Llama built in code, with a random drafter, in both
 dtypes, and prints per generated token the time of speculative decoding and of plain greedy
-decoding, tau, and the mismatches split into near-ties (within the dtype's rounding bound,
-`online.near_tie_bound`) and real ones. Checks:
+decoding, tau, the mismatches split into near-ties (within the dtype's rounding bound,
+`online.near_tie_bound`) and real ones, and the torch operators dispatched per token (one
+untimed prompt under the profiler: a proxy for kernel launches). Checks:
 
 - no real mismatch, in any row (a correctness check: exit status 1 when it fails);
 - bf16 no slower per token than float32 (speculative decoding, the eval's timed path): the
@@ -130,6 +131,8 @@ def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, 
     try:
         online = evaluate_online(target, proposer, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                                  layer_ids=drafter.config.target_layer_ids, stop_token_ids=set())
+        ops = ops_per_token(target, proposer, prompts[0].token_ids, drafter.config.target_layer_ids, block_size,
+                            min(32, max_new_tokens // 2))
     finally:
         speculative.decoding_attention = kept
     return {
@@ -140,6 +143,30 @@ def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, 
         "acceptance_length": online["acceptance_length"],
         "num_near_ties": online["num_near_ties"], "num_real_mismatches": online["num_real_mismatches"],
         "mismatches": online["mismatches"], "wall_s": time.perf_counter() - t0,
+        **ops,
+    }
+
+
+def ops_per_token(target, proposer, prompt_ids: list[int], layer_ids: list[int], block_size: int,
+                  new_tokens: int) -> dict:
+    """torch operators dispatched per generated token (a proxy for kernel launches, which set
+    a small target's time on a GPU), greedy and speculative, over one untimed prompt of
+    `new_tokens` under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash.train.speculative import greedy_generate, speculative_generate
+
+    def count(fn) -> float:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / len(out.tokens)
+
+    return {
+        "greedy_ops_per_token": count(lambda: greedy_generate(target, prompt_ids, max_new_tokens=new_tokens,
+                                                              stop_token_ids=set())),
+        "speculative_ops_per_token": count(lambda: speculative_generate(
+            target, proposer, prompt_ids, max_new_tokens=new_tokens, block_size=block_size, layer_ids=layer_ids,
+            stop_token_ids=set())),
     }
 
 
@@ -200,11 +227,12 @@ def main() -> int:
           f"{size['vocab_size']} ({num_parameters / 1e6:,.1f} M parameters); drafter: random, 1 layer, block "
           f"{args.block_size}; up to {max_new_tokens} new tokens per prompt")
     print(f"{'dtype':<9} {'attention':<14} {'prompts':>7} {'spec ms/tok':>11} {'greedy ms/tok':>13} {'tau':>6} "
-          f"{'near-ties':>9} {'real':>5}")
+          f"{'near-ties':>9} {'real':>5} {'spec ops/tok':>12} {'greedy ops/tok':>14}")
     for r in rows:
         print(f"{r['dtype']:<9} {r['attention']:<14} {r['num_prompts']:>7} {r['speculative_ms_per_token']:>11.2f} "
               f"{r['greedy_ms_per_token']:>13.2f} {r['acceptance_length']:>6.3f} {r['num_near_ties']:>9} "
-              f"{r['num_real_mismatches']:>5}")
+              f"{r['num_real_mismatches']:>5} {r['speculative_ops_per_token']:>12.0f} "
+              f"{r['greedy_ops_per_token']:>14.0f}")
     for name in skipped:
         print(f"{name}: skipped (past --budget-s {args.budget_s:g})")
     print("SDPA backend, bf16: one-token step {step_default} by default, {step_decoding} decoding; "
