@@ -127,16 +127,18 @@ def near_tie_bound(top_logit: float, dtype: torch.dtype) -> float:
     layer rounded to 2^-8 relative. (1) The logits themselves are rounded to the dtype on
     output, each by at most u|z|: the margin between the top two moves by at most 2u(|z1| +
     |z2|), about 4u|z|, from one run to the other (in bf16 the logits of a random target sit
-    on that grid, and exact ties, margin 0, are common). (2) The hidden state reaching the LM head
-    differs by the layers' own roundings, which moves the logits by more than (1) in a deep
-    or large-weight network. Measured on CPU in bf16 (random Llamas, 4-16 layers, hidden
-    256-512, 192 positions each, 16-token verify against one-token steps): the largest change
-    of a top-8 margin was 3.7-4.0 u|z| at the default initialisation (0.02: term (1) alone)
-    and 14.1 u|z| at initialisation 0.2 (logits about 12, where term (2) dominates); 16
-    covers both. In bf16 that is |z| / 16: a margin of 0.5 at a top logit of 8. Float32
-    gets ~1e-6 |z|; its summation-order drift was measured at 15-270 u|z| there, so a
-    float32 tie closer than that would be reported as real (none was seen: the smallest
-    float32 margin in those runs was 32 u|z|).
+    on that grid, and exact ties, margin 0, are common). (2) The hidden state reaching the LM
+    head differs by the layers' own roundings, which moves the logits further in an
+    ill-conditioned network. Measured on CPU in bf16 (`bench.gpu_online_eval.margin_drift`:
+    random Llamas of 4-16 layers, hidden 256-512, 64 positions, 16-token verifies against
+    one-token steps, 3 seeds; bench/RESULTS.md "eval"): the largest change of a top-8 margin
+    was 3.5-4.1 u|z| at the default initialisation (0.02: term (1) alone) and up to 15.4 u|z|
+    at initialisation 0.2 (gain 3 per layer, logits about 12: term (2)); 16 covers both, the
+    second barely, and a trained model is far better conditioned than that one. In bf16 the
+    bound is |z| / 16: 0.5 at a top logit of 8. Float32 gets ~1e-6 |z|; its summation-order
+    drift measured 13-17 u|z| there (255 at initialisation 0.2), so a float32 tie closer than
+    that is reported as real: such ties are rare at float32's resolution, and the report
+    prints the gap and the bound beside each mismatch.
     """
     return TIE_ROUNDINGS * (torch.finfo(dtype).eps / 2) * abs(top_logit)
 
