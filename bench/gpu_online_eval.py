@@ -103,11 +103,13 @@ def sdpa_backends(size: dict, device: torch.device, kv_length: int, block_size: 
     heads, head_dim = size["num_attention_heads"], size["head_dim"]
 
     def choice(queries: int, masked: bool) -> str:
+        # as transformers calls it: grouped KV heads without a mask, repeated to every head with one
+        kv_heads = heads if masked else size["num_key_value_heads"]
         q = torch.randn(1, heads, queries, head_dim, device=device, dtype=torch.bfloat16)
-        k = v = torch.randn(1, heads, kv_length, head_dim, device=device, dtype=torch.bfloat16)
+        k = v = torch.randn(1, kv_heads, kv_length, head_dim, device=device, dtype=torch.bfloat16)
         mask = (torch.ones(queries, kv_length, dtype=torch.bool, device=device).tril(kv_length - queries)[None, None]
                 if masked else None)  # [1, 1, q, kv]
-        return names.get(torch._fused_sdp_choice(q, k, v, mask), "?")
+        return names.get(torch._fused_sdp_choice(q, k, v, mask, enable_gqa=not masked), "?")
 
     found = {"step_default": choice(1, False), "verify_default": choice(block_size, True)}
     with decoding_attention(device):
