@@ -29,7 +29,7 @@ def test_gpu_online_eval_runs_on_cpu():
     assert rc == 0, output
     assert [(r["dtype"], r["attention"]) for r in report["rows"]] == [("bfloat16", "decoding"),
                                                                       ("float32", "decoding")]
-    assert [c["check"] for c in report["checks"]] == ["real mismatches, every row (count)",
+    assert [c["check"] for c in report["checks"]] == ["no real mismatch: real mismatches, every row (count)",
                                                       "bf16 margin drift, verify vs one-token steps (u|z|)"]
     assert report["failed"] == [] and report["checks"][0]["value"] == 0
     for row in report["rows"]:
@@ -37,7 +37,7 @@ def test_gpu_online_eval_runs_on_cpu():
         assert 0 < row["margin_drift_u"] and row["speculative_ops_per_token"] > row["greedy_ops_per_token"] > 0
         assert row["speculative_ms_per_token"] > 0 and row["greedy_ms_per_token"] > 0
         assert row["num_near_ties"] == sum(m["near_tie"] for m in row["mismatches"])
-    assert "PASS real mismatches" in output
+    assert "PASS no real mismatch" in output
 
 
 @pytest.mark.gpu
