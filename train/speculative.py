@@ -60,11 +60,11 @@ is not cuDNN's, so it never paid. This is why bf16 online eval on an H200 ran 3-
 float32 (issue 42: 11-13 s a prompt against 3.6 s at 256 new tokens, which make some 300-500
 new key lengths a prompt between the greedy reference, the verifies and the drafter's blocks:
 8-10 s of graph builds at those costs); `bench/gpu_online_eval.py` measures it, with a row
-decoded with cuDNN's attention allowed. Both loops here therefore decode
-with cuDNN's attention switched off (`decoding_attention`), which leaves flash attention for
-the one-token steps and the drafter's unmasked block and memory-efficient attention for the
-masked verify, neither of which compiles per shape. Switched off for the call only, on CUDA
-only; the greedy baseline gets the same, so the speedup compares like with like.
+decoded with cuDNN's attention allowed. Both loops here therefore decode with cuDNN's
+attention switched off (`decoding_attention`), which leaves flash attention for the one-token
+steps and the drafter's unmasked block and memory-efficient attention for the masked verify,
+neither of which compiles per shape. Switched off for the call only, on CUDA only; the greedy
+baseline gets the same, so the speedup compares like with like.
 
 Speed on CPU: a product with a few rows, `F.linear(x, W)` with x [M, K] and M = 2..16 (the
 verify forward's block, the drafter's B - 1 head rows), can take a GEMM path that costs 2-4x
