@@ -289,6 +289,13 @@ def main() -> int:
                             SPEED_SLACK))
     elif ratio is not None:
         print(f"gpu_online_eval: bf16 / float32 speculative ms per token {ratio:.3g} (not checked on a CPU)")
+    greedy_ratio = bf16["greedy_ms_per_token"] / fp32["greedy_ms_per_token"] if bf16 and fp32 else None
+    default = by_kind.get(("bfloat16", "torch default"))
+    cudnn_cost = default["speculative_ms_per_token"] / bf16["speculative_ms_per_token"] if default and bf16 else None
+    if greedy_ratio is not None:
+        print(f"gpu_online_eval: bf16 / float32 greedy ms per token {greedy_ratio:.3g}"
+              + ("" if cudnn_cost is None else f"; bf16 speculative ms per token with cuDNN's attention allowed / "
+                 f"without {cudnn_cost:.3g}"))
     failed = [c["check"] for c in checks if not c["ok"]]
     print(f"gpu_online_eval: {'FAIL: ' + '; '.join(failed) if failed else 'every check passed'} "
           f"in {time.perf_counter() - start:.0f} s")
@@ -298,7 +305,8 @@ def main() -> int:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "target": {**size, "num_parameters": num_parameters}, "block_size": args.block_size,
             "max_new_tokens": max_new_tokens, "rows": rows, "skipped": skipped, "sdpa_backends": backends,
-            "bf16_over_float32": ratio, "checks": checks, "failed": failed,
+            "bf16_over_float32": ratio, "bf16_over_float32_greedy": greedy_ratio, "cudnn_over_decoding": cudnn_cost,
+            "checks": checks, "failed": failed,
             "elapsed_s": time.perf_counter() - start,
         }))
     correctness_failed = any(not c["ok"] for c in checks if not c["check"].startswith("bf16 no slower"))
