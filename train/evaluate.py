@@ -95,7 +95,8 @@ class EvalConfig:
     """auto (cuda when available), cpu or cuda."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Online target (and drafter) dtype: auto (float32 on cpu, bfloat16 on cuda), float32 or
-    bfloat16. float32 makes the lossless check meaningful to the last bit; see speculative.py."""
+    bfloat16. float32 makes the lossless check exact nearly to the last bit; in bfloat16 a
+    mismatch within bf16 rounding is reported as a near-tie, not a failure (train/README.md)."""
     temperature: float = 0.0
     """Online: sampling temperature; 0 decodes greedily (checked token for token against the
     target's greedy output), > 0 samples: the target draws at every position and drafts are
