@@ -239,3 +239,178 @@ def test_rows_linear_keeps_the_form_it_timed_and_both_forms_are_linear(transpose
             assert torch.equal(out, F.linear(x, weight))
     finally:
         speculative._TRANSPOSED_FASTER.pop(key, None)
+
+
+# --------------------------------------------------------------------------- near-ties in bf16
+
+
+def decoded(tokens, top_ids, top_logits):
+    """A DecodeResult from per-token contenders (margins from the logits)."""
+    from dflash.train.speculative import DecodeResult
+
+    return DecodeResult(tokens=tokens, margins=[z[0] - z[1] for z in top_logits], top_ids=top_ids,
+                        top_logits=top_logits)
+
+
+# One reference token, 5, with contenders 9 (0.02 below), 7 (2.0 below); the bf16 bound at a top
+# logit of 4.0 is 16 * 2^-8 * 4 = 0.25, the float32 one 16 * 2^-24 * 4 = 3.8e-6.
+REFERENCE = decoded([1, 5], [[1, 2], [5, 9, 7]], [[8.0, 1.0], [4.0, 3.98, 2.0]])
+
+
+@pytest.mark.parametrize("speculative, dtype, near_tie, gap", [
+    ([1, 9], torch.bfloat16, True, 0.02),    # the runner-up, within bf16 rounding: a near-tie
+    ([1, 9], torch.float32, False, 0.02),    # the same gap is far beyond float32 rounding
+    ([1, 7], torch.bfloat16, False, 2.0),    # the third choice, 2 logits below: real
+    ([1, 3], torch.bfloat16, False, None),   # not among the reference's contenders: real
+    ([1], torch.bfloat16, False, None),      # an output that ends early: real
+])
+def test_first_mismatch_tells_a_near_tie_from_a_real_one(speculative, dtype, near_tie, gap):
+    from dflash.train.online import first_mismatch, near_tie_bound
+
+    out = first_mismatch(REFERENCE, decoded(speculative, [[1, 2], [speculative[-1], 5]], [[8.0, 1.0], [4.0, 3.9]]),
+                         dtype)
+    assert out["position"] == 1 and out["near_tie"] is near_tie
+    assert out["reference_margin"] == pytest.approx(0.02)
+    assert out["reference_gap"] == (None if gap is None else pytest.approx(gap))
+    if gap is not None:
+        assert out["tie_bound"] == pytest.approx(near_tie_bound(4.0, dtype))
+    assert near_tie_bound(4.0, torch.bfloat16) == pytest.approx(0.25)
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    """A random Llama at the default initialisation (0.02), in bf16: logits about 1, on bf16's
+    grid of 2^-7 there, so near-ties (exact ones too) are common, as on the H200 (issue 42)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=NUM_LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def planted(monkeypatch, position_of, replacement):
+    """Make online's speculative_generate return its real output with the token at
+    `position_of(reference)` replaced by `replacement(reference, position)`, the reference being
+    the target's greedy output (recorded from greedy_generate)."""
+    import dflash.train.online as online
+
+    references = []
+    real_greedy, real_speculative = online.greedy_generate, online.speculative_generate
+
+    def greedy(*args, **kwargs):
+        references.append(real_greedy(*args, **kwargs))
+        return references[-1]
+
+    def speculative(*args, **kwargs):
+        out, reference = real_speculative(*args, **kwargs), references[-1]
+        i = position_of(reference)
+        out.tokens = reference.tokens[:i] + [replacement(reference, i)] + reference.tokens[i + 1:]
+        return out
+
+    monkeypatch.setattr(online, "greedy_generate", greedy)
+    monkeypatch.setattr(online, "speculative_generate", speculative)
+
+
+def closest_call(reference):
+    """The generated position where the reference's top-2 margin is smallest."""
+    return min(range(len(reference.tokens)), key=lambda i: reference.margins[i])
+
+
+def widest_call(reference):
+    return max(range(len(reference.tokens)), key=lambda i: reference.margins[i])
+
+
+def outsider(reference, i):
+    """A token the reference does not rank among its contenders at position i."""
+    return next(t for t in range(V) if t not in reference.top_ids[i])
+
+
+@pytest.mark.parametrize("position_of, replacement, near_ties, real", [
+    (closest_call, lambda ref, i: ref.top_ids[i][1], 1, 0),   # the runner-up at the closest call
+    (widest_call, outsider, 0, 1),                            # a wrong token where the target is sure
+    (closest_call, outsider, 0, 1),                           # a wrong token even where it hesitates
+])
+def test_planted_mismatches_in_bf16(bf16_target, monkeypatch, position_of, replacement, near_ties, real):
+    """A planted near-tie is reported as one and passes; a planted real mismatch fails."""
+    from dflash.train.online import near_tie_bound
+
+    prompts = [Prompt(source={"file": "p.jsonl", "index": 3}, token_ids=prompt_ids(6, seed=30))]
+    planted(monkeypatch, position_of, replacement)
+    result = evaluate_online(bf16_target, untrained_proposer(bf16_target, 4), prompts, max_new_tokens=24,
+                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+    (mismatch,) = result["mismatches"]
+    assert (result["num_near_ties"], result["num_real_mismatches"]) == (near_ties, real)
+    assert result["lossless"] is (real == 0) and result["per_prompt"][0]["lossless"] is (real == 0)
+    assert mismatch["near_tie"] is (near_ties == 1)
+    if near_ties:  # the closest call of a bf16 random target is within rounding (the fixture's premise)
+        assert mismatch["reference_gap"] == mismatch["reference_margin"] <= near_tie_bound(1.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_decoding_differs_only_at_near_ties(bf16_target, block_size):
+    """Real speculative decoding of the bf16 random target: wherever it leaves the greedy output
+    (a B-token verify and a one-token step round differently), it is at a near-tie."""
+    prompts = [Prompt(source={"file": "p.jsonl", "index": i}, token_ids=prompt_ids(5 + 4 * i, seed=40 + i))
+               for i in range(4)]
+    result = evaluate_online(bf16_target, untrained_proposer(bf16_target, block_size), prompts, max_new_tokens=32,
+                             block_size=block_size, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+    assert result["num_real_mismatches"] == 0 and result["lossless"] is True
+    assert result["num_near_ties"] == len(result["mismatches"])
+
+
+@pytest.mark.parametrize("caller_flash", [True, False])
+@pytest.mark.parametrize("device, cudnn", [("cpu", True), ("cuda", False)])
+def test_decoding_attention_leaves_out_cudnn_on_cuda_only(device, cudnn, caller_flash):
+    """cuDNN's attention builds a graph per key length (a new one every decode step): decoding
+    on CUDA runs without it, the other backends as the caller set them, and torch's flags come
+    back after; the CPU is left alone."""
+    from dflash.train.speculative import decoding_attention
+
+    flags = torch.backends.cuda
+
+    def state():
+        return (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
+                flags.math_sdp_enabled())
+
+    flags.enable_flash_sdp(caller_flash)
+    try:
+        before = state()
+        assert before == (True, caller_flash, True, True)
+        with decoding_attention(torch.device(device)):
+            assert state() == (cudnn, caller_flash, True, True)
+        assert state() == before
+    finally:
+        flags.enable_flash_sdp(True)
+
+
+def test_the_small_row_product_stays_off_cuda():
+    """decoding_linear swaps F.linear on the CPU only: on CUDA torch's own F.linear runs."""
+    import torch.nn.functional as F
+
+    from dflash.train.speculative import decoding_linear
+
+    before = F.linear
+    with decoding_linear(torch.device("cuda")):
+        assert F.linear is before
+
+
+@pytest.mark.parametrize("near_tie, lossless_line, mismatch_line", [
+    (True, "lossless yes (1 near-tie within bfloat16 rounding, no real mismatch)",
+     "near-tie p.jsonl:3 at token 5: target 11 (margin 0, gap to it 0 (bound 0.25)), speculative 12"),
+    (False, "lossless NO (1 real mismatch)",
+     "mismatch p.jsonl:3 at token 5: target 11 (margin 2, gap to it 2 (bound 0.25)), speculative 12"),
+])
+def test_the_report_names_near_ties_and_real_mismatches(near_tie, lossless_line, mismatch_line):
+    from dflash.train.evaluate import format_report
+
+    gap = 0.0 if near_tie else 2.0
+    online = {"acceptance_length": 2.0, "num_verifications": 10, "num_prompts": 1, "tokens_per_s": 10.0,
+              "baseline_tokens_per_s": 5.0, "speedup": 2.0, "device": "cuda", "dtype": "bfloat16",
+              "temperature": 0.0, "seed": None, "rejected": [], "lossless": near_tie,
+              "num_near_ties": int(near_tie), "num_real_mismatches": int(not near_tie),
+              "mismatches": [{"file": "p.jsonl", "index": 3, "position": 5, "reference_token": 11,
+                              "speculative_token": 12, "reference_margin": gap, "reference_gap": gap,
+                              "tie_bound": 0.25, "near_tie": near_tie}]}
+    report = format_report({"checkpoint": "run/checkpoints/step-1", "online": online})
+    assert lossless_line in report and mismatch_line in report

@@ -4,12 +4,17 @@ default, sampled at `temperature` > 0.
 
 Prompts are records in the styles stage one reads (`dflash.shards.records`: the same reader,
 so a record's index is the one a cache names as its sequence's source); each record's
-conversation up to its last user turn, rendered with the target's chat template and its generation prompt, is
-the prompt. Reported: tau (committed tokens per target verify), tokens/s, the target's own
-`generate(do_sample=False)` tokens/s timed on the same prompts in the same process, and
-`lossless` (every prompt's output equals the target's greedy output token for token), with
-every mismatch (prompt, first differing position, both tokens and the target's top-1/top-2
-logit margin there). Sampled (temperature > 0), each prompt's turn draws from its own
+conversation up to its last user turn, rendered with the target's chat template and its
+generation prompt, is the prompt. Reported: tau (committed tokens per target verify),
+tokens/s, the target's own `generate(do_sample=False)` tokens/s timed on the same prompts in
+the same process, and `lossless`: every prompt's output equals the target's greedy output
+token for token, or first differs from it at a near-tie. Every mismatch is listed (prompt,
+first differing position, both tokens, the target's top-1/top-2 logit margin there) with its
+kind: a near-tie when the reference's top logit exceeds its logit of the speculative token
+by no more than the rounding bound of the target's dtype (`near_tie_bound`), else real; the
+counts of both are reported. Only a real mismatch makes `lossless` false: a near-tie is the
+target's own arithmetic (a B-token verify and a one-token step round differently), not a
+draft accepted wrongly. Sampled (temperature > 0), each prompt's turn draws from its own
 generator seeded from (seed, prompt, turn); `lossless` is then None: outputs are not compared
 token for token (the rule is lossless in distribution, `speculative.MatchSampler`), and the
 baseline is the target's plain sampling, timed. Prompts of a benchmark suite
@@ -107,22 +112,67 @@ def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = No
     return prompts, rejected
 
 
-def first_mismatch(reference: DecodeResult, output: DecodeResult) -> dict[str, Any] | None:
-    """None when the token lists are equal; else where and how they first differ."""
+TIE_ROUNDINGS = 16
+"""A near-tie's margin, in units of the target dtype's rounding of its top logit (`near_tie_bound`)."""
+
+
+def near_tie_bound(top_logit: float, dtype: torch.dtype) -> float:
+    """The largest gap between the reference's top logit and another token's that rounding
+    alone can overturn between a block verify and one-token decoding (the top-2 margin, when
+    the other token is the runner-up): TIE_ROUNDINGS * u * |top_logit|, u the unit roundoff of
+    `dtype` (2^-8 for bf16, 2^-24 for float32).
+
+    Why: the two runs compute the same logits with different GEMM shapes (a B-row verify, a
+    one-row step), so in a different summation order and, in bf16, from hidden states each
+    layer rounded to 2^-8 relative. (1) The logits themselves are rounded to the dtype on
+    output, each by at most u|z|: the margin between the top two moves by at most 2u(|z1| +
+    |z2|), about 4u|z|, from one run to the other (in bf16 the logits of a random target sit
+    on that grid, and exact ties, margin 0, are common). (2) The hidden state reaching the LM
+    head differs by the layers' own roundings, which moves the logits further in an
+    ill-conditioned network. Measured on CPU in bf16 (`bench.gpu_online_eval.margin_drift`:
+    random Llamas of 4-16 layers, hidden 256-512, 64 positions, 16-token verifies against
+    one-token steps, 3 seeds; bench/RESULTS.md "eval"): the largest change of a top-8 margin
+    was 3.5-4.1 u|z| at the default initialisation (0.02: term (1) alone) and up to 15.4 u|z|
+    at initialisation 0.2 (gain 3 per layer, logits about 12: term (2)); 16 covers both, the
+    second barely, and a trained model is far better conditioned than that one. In bf16 the
+    bound is |z| / 16: 0.5 at a top logit of 8. Float32 gets ~1e-6 |z|; its summation-order
+    drift measured 13-17 u|z| there (255 at initialisation 0.2), so a float32 tie closer than
+    that is reported as real: such ties are rare at float32's resolution, and the report
+    prints the gap and the bound beside each mismatch.
+    """
+    return TIE_ROUNDINGS * (torch.finfo(dtype).eps / 2) * abs(top_logit)
+
+
+def first_mismatch(reference: DecodeResult, output: DecodeResult, dtype: torch.dtype) -> dict[str, Any] | None:
+    """None when the token lists are equal; else where and how they first differ, and whether
+    that is a near-tie (`near_tie`): the speculative token is among the reference's best
+    tokens there (`DecodeResult.top_ids`) and the reference's top logit exceeds its logit by at
+    most `near_tie_bound` for the target's `dtype` (`reference_gap`; with the runner-up, the
+    gap is the top-2 margin). Anything else (a token further down, a wider gap, one output
+    ending early) is a real mismatch."""
     if reference.tokens == output.tokens:
         return None
     n = min(len(reference.tokens), len(output.tokens))
     i = next((j for j in range(n) if reference.tokens[j] != output.tokens[j]), n)
+    speculative_token = output.tokens[i] if i < len(output.tokens) else None
+    gap = bound = None
+    if i < len(reference.top_ids) and speculative_token in reference.top_ids[i]:
+        logits = reference.top_logits[i]
+        gap = logits[0] - logits[reference.top_ids[i].index(speculative_token)]
+        bound = near_tie_bound(logits[0], dtype)
     return {
         "position": i,
         "reference_token": reference.tokens[i] if i < len(reference.tokens) else None,
-        "speculative_token": output.tokens[i] if i < len(output.tokens) else None,
+        "speculative_token": speculative_token,
         "reference_length": len(reference.tokens),
         "speculative_length": len(output.tokens),
         # The target's top-1 minus top-2 logit where the two runs chose: near 0 is a tie that
         # last-bit differences between a block verify and one-token decoding can flip.
         "reference_margin": reference.margins[i] if i < len(reference.margins) else None,
         "speculative_margin": output.margins[i] if i < len(output.margins) else None,
+        "reference_gap": gap,
+        "tie_bound": bound,
+        "near_tie": gap is not None and gap <= bound,
     }
 
 
@@ -201,14 +251,15 @@ def evaluate_online(
             taus.extend(output.acceptance_lengths)
             drafted.extend(output.drafted)
             source = {**prompt.source, **({"turn": turn} if prompt.next_turns else {})}
-            mismatch = None if sampled else first_mismatch(reference, output)
+            mismatch = None if sampled else first_mismatch(reference, output, target.dtype)
             if mismatch is not None:
                 mismatches.append({**source, **mismatch})
             per_prompt.append({
                 **source, "prompt_tokens": len(token_ids), "new_tokens": len(output.tokens),
                 "acceptance_length": float(np.mean(output.acceptance_lengths)) if output.acceptance_lengths else None,
                 "acceptance_lengths": output.acceptance_lengths,  # per verify: an engine's per-step count meets these
-                "lossless": None if sampled else mismatch is None,
+                "lossless": None if sampled else mismatch is None or mismatch["near_tie"],
+                "near_tie": None if sampled else mismatch is not None and mismatch["near_tie"],
             })
             if turn > len(later):
                 break
@@ -218,13 +269,16 @@ def evaluate_online(
         if progress is not None:
             progress(i + 1, len(prompts), taus, mismatches)
     turn_taus = [p["acceptance_length"] for p in per_prompt if p["acceptance_length"] is not None]
+    real = [m for m in mismatches if not m["near_tie"]]
     return {
         "acceptance_length": float(np.mean(taus)) if taus else None,
         # z-lab's "Average Acceptance length": the mean over turns of each turn's mean
         "mean_turn_acceptance_length": float(np.mean(turn_taus)) if turn_taus else None,
         "per_position_acceptance": per_position_acceptance(taus, drafted, block_size),
-        "lossless": None if sampled else not mismatches,
-        "mismatches": mismatches,
+        "lossless": None if sampled else not real,
+        "mismatches": mismatches,  # near-ties and real ones, each with "near_tie"
+        "num_near_ties": None if sampled else len(mismatches) - len(real),
+        "num_real_mismatches": None if sampled else len(real),
         "tokens_per_s": spec_tokens / spec_s if spec_s else None,
         "baseline_tokens_per_s": base_tokens / base_s if base_s else None,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s) if spec_s and base_s else None,
@@ -240,5 +294,5 @@ def evaluate_online(
     }
 
 
-__all__ = ["ChatRenderer", "Prompt", "evaluate_online", "first_mismatch", "load_prompts",
-           "per_position_acceptance", "suite_prompts", "turn_seed"]
+__all__ = ["TIE_ROUNDINGS", "ChatRenderer", "Prompt", "evaluate_online", "first_mismatch", "load_prompts",
+           "near_tie_bound", "per_position_acceptance", "suite_prompts", "turn_seed"]

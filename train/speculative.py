@@ -45,8 +45,26 @@ the DFlash layer rule never selects the last layer.
 Numerics: the verify forward runs the target on B query tokens at once, while the reference
 (`transformers`' `generate`) runs one token at a time. The two can differ in the last bits,
 which flips an argmax only at a near-tie. Every generated token therefore carries the
-target's top-1 minus top-2 logit margin at that step, so a mismatch can be judged (a margin
-of 1e-6 is a tie, a margin of 1 is a bug). Run the target in float32 for the lossless check.
+target's top-1 minus top-2 logit margin at that step and its TOP_K best tokens with their
+logits, so that a mismatch can be judged: `dflash.train.online.near_tie_bound` says how close
+a tie must be for the target's dtype (a float32 target makes the check exact nearly to the
+last bit; bf16 logits sit on a grid of 2^-8 relative, and ties there are common, on random
+targets most).
+
+Attention on CUDA: decoding grows the key length by one or a few positions every step. On
+Hopper and Blackwell (sm90, sm100) recent torch (2.9 and later, with a recent cuDNN) puts
+cuDNN's attention first for bf16/fp16 inputs, and cuDNN builds and caches one execution graph
+per problem shape, the key length included: a new length is a new graph, some 20-40 ms of host
+time each (reported for torch 2.13 on sm90), at every decode step and every verify. Float32
+is not cuDNN's, so it never paid. This is why bf16 online eval on an H200 ran 3-4x slower than
+float32 (issue 42: 11-13 s a prompt against 3.6 s at 256 new tokens, which make some 300-500
+new key lengths a prompt between the greedy reference, the verifies and the drafter's blocks:
+8-10 s of graph builds at those costs); `bench/gpu_online_eval.py` measures it, with a row
+decoded with cuDNN's attention allowed. Both loops here therefore decode with cuDNN's
+attention switched off (`decoding_attention`), which leaves flash attention for the one-token
+steps and the drafter's unmasked block and memory-efficient attention for the masked verify,
+neither of which compiles per shape. Switched off for the call only, on CUDA only; the greedy
+baseline gets the same, so the speedup compares like with like.
 
 Speed on CPU: a product with a few rows, `F.linear(x, W)` with x [M, K] and M = 2..16 (the
 verify forward's block, the drafter's B - 1 head rows), can take a GEMM path that costs 2-4x
@@ -141,11 +159,28 @@ def decoding_linear(device: torch.device) -> Iterator[None]:
         F.linear = _TORCH_LINEAR
 
 
+@contextlib.contextmanager
+def decoding_attention(device: torch.device) -> Iterator[None]:
+    """Inside the block, on CUDA, scaled_dot_product_attention does not use cuDNN's backend,
+    which builds a graph per key length (module docstring); the other backends stay as the
+    caller set them, and cuDNN's flag is restored after the block."""
+    if device.type != "cuda":
+        yield
+        return
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
 def _decoding(fn):
-    """Run `fn(target, ...)` inside `decoding_linear(target.device)`."""
+    """Run `fn(target, ...)` inside `decoding_linear` and `decoding_attention` of target.device
+    (looked up when called, so a bench can swap either for a comparison)."""
     @functools.wraps(fn)
     def wrapped(target: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with decoding_linear(target.device):
+        with decoding_linear(target.device), decoding_attention(target.device):
             return fn(target, *args, **kwargs)
 
     return wrapped
@@ -241,6 +276,11 @@ class DecodeResult:
     """Generated ids after the prompt, ending at the first stop token or max_new_tokens."""
     margins: list[float]
     """Per generated token: the target's top-1 minus top-2 logit where it chose that token."""
+    top_ids: list[list[int]] = field(default_factory=list)
+    """Per generated token: the target's TOP_K highest-logit token ids there, best first (a
+    mismatch is judged by where the other run's token stands among them)."""
+    top_logits: list[list[float]] = field(default_factory=list)
+    """Per generated token: those tokens' logits, in float32."""
     acceptance_lengths: list[int] = field(default_factory=list)
     """Per target verify: tokens committed (accepted drafts + 1). Empty for plain greedy."""
     drafted: list[int] = field(default_factory=list)
@@ -250,10 +290,16 @@ class DecodeResult:
     """Wall time of the whole call, prefill included."""
 
 
-def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    """[n, V] -> [n] top-1 minus top-2 logit, in float32."""
-    top = logits.float().topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
+TOP_K = 8
+"""Contenders kept per generated token (`DecodeResult.top_ids`)."""
+
+
+def _top(logits: torch.Tensor) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """[n, V] -> per row: top-1 minus top-2 logit, the TOP_K best ids and their logits, in
+    float32 (bf16 logits are exact in it)."""
+    top = logits.float().topk(min(TOP_K, logits.shape[-1]), dim=-1)  # values, indices: [n, K]
+    values = top.values.tolist()
+    return [row[0] - row[1] for row in values], top.indices.tolist(), values
 
 
 def _sync(device: torch.device) -> None:
@@ -297,7 +343,7 @@ def speculative_generate(
     proposer.commit(target_features(out.hidden_states, layer_ids)[0])  # [T0, L*H]
     last = out.logits[0, -1:]  # [1, V]
     tokens = last.argmax(-1).tolist() if sampler is None else sampler.sample(last)
-    margins = _top2_margin(last).tolist()
+    margins, top_ids, top_logits = _top(last)
     acceptance: list[int] = []
     drafted: list[int] = []
     while tokens[-1] not in stop_token_ids and len(tokens) < max_new_tokens:
@@ -319,10 +365,12 @@ def speculative_generate(
         else:
             new = sampler.verify(block[1:], logits)
             accepted = len(new) - 1
-        new_margins = _top2_margin(logits[: accepted + 1]).tolist()
+        new_margins, new_top_ids, new_top_logits = _top(logits[: accepted + 1])
         for i, token in enumerate(new):
             tokens.append(token)
             margins.append(new_margins[i])
+            top_ids.append(new_top_ids[i])
+            top_logits.append(new_top_logits[i])
             if token in stop_token_ids:
                 break
         acceptance.append(accepted + 1)
@@ -330,8 +378,8 @@ def speculative_generate(
         rollback(kv, start + accepted + 1, fed=size, family=family)
         proposer.commit(target_features(out.hidden_states, layer_ids)[0, : accepted + 1])  # [a+1, L*H]
     _sync(device)
-    return DecodeResult(tokens=tokens, margins=margins, acceptance_lengths=acceptance, drafted=drafted,
-                        elapsed_s=time.perf_counter() - t0)
+    return DecodeResult(tokens=tokens, margins=margins, top_ids=top_ids, top_logits=top_logits,
+                        acceptance_lengths=acceptance, drafted=drafted, elapsed_s=time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -384,15 +432,20 @@ def greedy_generate(
     finally:
         target.generation_config = saved
     tokens = out.sequences[0, prompt.shape[1]:].tolist()
-    margins = _top2_margin(torch.cat(out.scores)).tolist() if out.scores else []
-    return DecodeResult(tokens=tokens, margins=margins[: len(tokens)], elapsed_s=elapsed)
+    margins, top_ids, top_logits = _top(torch.cat(out.scores)) if out.scores else ([], [], [])
+    n = len(tokens)
+    return DecodeResult(tokens=tokens, margins=margins[:n], top_ids=top_ids[:n], top_logits=top_logits[:n],
+                        elapsed_s=elapsed)
 
 
 __all__ = [
+    "TOP_K",
     "DecodeResult",
     "DrafterProposer",
     "MatchSampler",
     "Proposer",
+    "decoding_attention",
+    "decoding_linear",
     "greedy_generate",
     "speculative_generate",
     "target_features",
