@@ -136,6 +136,14 @@ def sparse_kl_loss(
     if tail_mass is not None:
         tail_mass = torch.where(live, tail_mass.float(), 1.0)
 
+    if impl == "triton" and reduction != "none" and _stores_dx(hidden, weight):
+        # Training with a frozen head: the kernel returns the reduced loss and keeps dX,
+        # scaled by each row's weight, in hidden's dtype (sparse_kl.py, "Workspace").
+        denominator = w.sum().clamp(min=torch.finfo(torch.float32).tiny) if reduction == "mean" else w.new_ones(())
+        loss, argmax = _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, torch.where(live, w, 0.0),
+                                       denominator, tail=tail, ce_weight=ce_weight, workspace_bytes=workspace_bytes,
+                                       config=triton_config)
+        return (loss, argmax) if return_argmax else loss
     if impl == "triton":
         rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
                                     workspace_bytes=workspace_bytes, config=triton_config)
@@ -178,6 +186,30 @@ def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weigh
 
 def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
     """The triton impl's [N] row losses and [N] argmax (kernel/sparse_kl.py)."""
+    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+    return _sparse_kl_module().triton_sparse_kl_rows(
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
+        workspace_bytes=workspace_bytes, config=config,
+    )
+
+
+def _stores_dx(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this call's backward needs dX only (hidden requires grad, the head is frozen)."""
+    return torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+
+
+def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, ce_weight,
+                    workspace_bytes, config):
+    """The triton impl's reduced loss and [N] argmax (kernel/sparse_kl.py, frozen head)."""
+    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+    return _sparse_kl_module().triton_sparse_kl_loss(
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), row_weight, denominator, tail=tail,
+        ce_weight=ce_weight, workspace_bytes=workspace_bytes, config=config,
+    )
+
+
+def _sparse_kl_module():
+    """kernel/sparse_kl.py, imported at call time; RuntimeError with the fix without triton."""
     try:
         from . import sparse_kl
     except ImportError as err:
@@ -185,11 +217,7 @@ def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weig
             "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
             "use impl='torch' on this machine"
         ) from err
-    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
-    return sparse_kl.triton_sparse_kl_rows(
-        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
-        workspace_bytes=workspace_bytes, config=config,
-    )
+    return sparse_kl
 
 
 def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass) -> None:

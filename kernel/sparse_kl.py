@@ -297,7 +297,9 @@ class _TritonSparseKL(torch.autograd.Function):
         d_rows = d_rows.float()
         if ctx.store_dx:
             (dx,) = ctx.saved_tensors
-            return (d_rows[:, None] * dx).to(ctx.hidden_dtype), None, *nones
+            # One fused multiply-and-cast: no [N, H] fp32 product beside the stored dX.
+            out = torch.empty(dx.shape, dtype=ctx.hidden_dtype, device=dx.device)  # [N, H]
+            return torch.mul(dx, d_rows[:, None], out=out), None, *nones
         hidden, weight, ids, lq, q_tail = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         n, h = hidden.shape
@@ -320,6 +322,66 @@ class _TritonSparseKL(torch.autograd.Function):
             d_weight.to(weight.dtype) if need_w else None,
             *nones,
         )
+
+
+class _TritonSparseKLReduced(torch.autograd.Function):
+    """The frozen-head training case: the weighted sum of the rows (a scalar) and the argmax,
+    with dX formed in the forward already scaled by each row's weight and stored in X's dtype.
+
+    The loss is sum_n s_n row_n (s = w / sum w for reduction="mean", w for "sum"), so
+    d loss / d X_n = s_n dX_n: the kernel scales G by s_n in fp32 before its rounding (the
+    HAS_SCALE path of the dW backward), the dX GEMM accumulates in fp32 into a per-chunk
+    [C, H] buffer, and dX is rounded once into an [N, H] tensor of X's dtype (bf16: 128 MiB
+    at N = 16384, H = 4096, where an fp32 dX was 256 MiB). The backward multiplies it by the
+    upstream scalar (exact when that is 1, as for loss.backward()). Rows of weight 0 get
+    s = 0 and so a zero gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, lq, q_tail, row_weight, denominator, tail, ce_weight, workspace_bytes,
+                config):
+        # row_weight [N] fp32 (0 on dead rows), denominator: 0-dim fp32 (sum w, or 1 for "sum").
+        n, h = hidden.shape
+        dev = hidden.device
+        ctx.set_materialize_grads(False)
+        dense = tail == "bucket" or ce_weight != 0.0
+        live = row_weight != 0  # [N] bool
+        scale = row_weight / denominator  # [N] fp32
+        rows = torch.empty(n, dtype=torch.float32, device=dev)  # [N]
+        argmax = torch.empty(n, dtype=torch.int64, device=dev)  # [N]
+        coef = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config)
+        if dense:
+            dx = torch.empty(n, h, dtype=hidden.dtype, device=dev)  # [N, H] in X's dtype
+            # fp32 GEMM output per chunk, then one rounding into dx (a bf16-output GEMM could
+            # reduce split-K partial sums in bf16 under allow_bf16_reduced_precision_reduction).
+            dx_chunk = None if hidden.dtype == torch.float32 else torch.empty(
+                launch.rows_per_chunk, h, dtype=torch.float32, device=dev)  # [C, H]
+            for r0, r1, z in launch.chunks():
+                g = launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1], write_g=True,
+                                       scale=scale[r0:r1])
+                if dx_chunk is None:
+                    matmul_f32(g, launch.w_mm, out=dx[r0:r1])
+                else:
+                    dx[r0:r1].copy_(matmul_f32(g, launch.w_mm, out=dx_chunk[: r1 - r0]))
+        else:
+            for r0, r1, z in launch.chunks():
+                launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1], write_g=False, scale=None)
+            # renorm without CE: the gradient lives on the k' ids only (N*k'*H work).
+            dx = sparse_rows_f32(coef * scale[:, None], ids, weight, workspace_bytes).to(hidden.dtype)  # [N, H]
+        del launch  # the workspace goes back to the allocator before the caller's next step
+        ctx.save_for_backward(dx)
+        ctx.mark_non_differentiable(argmax)
+        return torch.where(live, row_weight * rows, 0.0).sum() / denominator, argmax
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_loss, _d_argmax):
+        nones = (None,) * 10
+        if d_loss is None:
+            return None, None, *nones
+        (dx,) = ctx.saved_tensors
+        return dx * d_loss.float(), None, *nones  # computed in fp32, rounded once to X's dtype
 
 
 class _ChunkLauncher:
@@ -394,4 +456,35 @@ def triton_sparse_kl_rows(
     return _TritonSparseKL.apply(
         hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
         q_tail.float().contiguous(), tail, float(ce_weight), workspace_bytes, config, grad_x, grad_w,
+    )
+
+
+def triton_sparse_kl_loss(
+    hidden: torch.Tensor,  # [N, H] bf16/fp16/fp32, requires grad
+    weight: torch.Tensor,  # [V, H] same dtype, frozen
+    ids: torch.Tensor,  # [N, k'] integer
+    lq: torch.Tensor,  # [N, k] fp32 floored
+    q_tail: torch.Tensor,  # [N] fp32
+    row_weight: torch.Tensor,  # [N] fp32, 0 on rows that do not count
+    denominator: torch.Tensor,  # 0-dim fp32: sum of the weights ("mean") or 1 ("sum")
+    *,
+    tail: str,
+    ce_weight: float,
+    workspace_bytes: int,
+    config: TritonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, argmax [N] int64): sum_n row_weight_n * row_n / denominator, differentiable in
+    hidden (the head frozen), with dX stored in hidden's dtype (`_TritonSparseKLReduced`)."""
+    if not hidden.is_cuda and not INTERPRETED:
+        raise ValueError(
+            "sparse_kl_loss(impl='triton') got CPU tensors: it needs CUDA tensors, or the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before dflash.kernels.sparse_kl is first imported); "
+            "on CPU use impl='torch'"
+        )
+    if config is None:
+        config = _INTERPRETER_CONFIG if INTERPRETED else TritonConfig()
+    return _TritonSparseKLReduced.apply(
+        hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
+        q_tail.float().contiguous(), row_weight.float().contiguous(), denominator.float(), tail, float(ce_weight),
+        workspace_bytes, config,
     )
