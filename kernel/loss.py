@@ -97,10 +97,11 @@ def sparse_kl_loss(
     gradient whatever their teacher values). Ids must lie in [0, V).
 
     impl: "naive" materialises the [N, V] logits; "torch" is chunked over rows (peak extra
-    memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 2 GiB on
+    memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 256 MiB on
     CUDA); "triton" is chunked the same way, with cuBLAS for the two GEMMs and one fused
     Triton kernel per chunk for everything else, dX formed in the forward when the head is
-    frozen (CUDA, or CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
+    frozen (kept in hidden's dtype, already weighted, for reduction "mean"/"sum"; CUDA, or
+    CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
     tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
     all and takes the torch path's N*k'*H gather whatever impl says.
 

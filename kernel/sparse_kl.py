@@ -37,15 +37,21 @@ How (one chunk of C rows at a time, C = workspace_bytes // (4 V), balanced over 
    ids: each slot's total sum_{same id} d_slot + d_lse p_i, formed in fp32 and rounded once,
    so the p_j - q_j cancellation happens before any rounding (Liger 1329). The dense part
    is all of one sign per row: rounding it to bf16 is a 2^-9 relative error, no cancellation.
-3. cuBLAS: dX_c = G_c W, fp32 out, kept [N, H] fp32 until the backward.
+3. cuBLAS: dX_c = G_c W, fp32 out.
 
-The loss is a sum of rows, so d loss / d X_n = d_row_n * dX_n exactly: the backward only
-multiplies the stored dX by the upstream gradient of each row (a scalar times w_n / sum w
-for reduction="mean", per row for "none") and casts to X's dtype. Nothing is ever [N, V].
+The loss is a sum of rows, so d loss / d X_n = d_row_n * dX_n exactly. For reduction "mean"
+or "sum" (training: `_TritonSparseKLReduced`) d_row_n = g * s_n with s_n = w_n / sum w (or
+w_n) known in the forward and g the upstream scalar: the kernel multiplies G by s_n in fp32
+before G's rounding, dX_c goes through a per-chunk [C, H] fp32 buffer into an [N, H] tensor
+of X's dtype (one rounding, as before), and the backward is g * dX (exact for g = 1). For
+reduction "none" (`_TritonSparseKL`) the rows' gradients are known only in the backward:
+dX is kept [N, H] fp32 and the backward multiplies and casts in one op. Nothing is ever
+[N, V].
 
 Modes (chosen per call):
 - hidden needs grad, weight frozen (DFlash): the above, 4NHV flops. tail="renorm" without
   CE has no dense term: the kernel writes no G and dX is the N*k'*H sparse sum instead.
+  With reduction "mean"/"sum" dX is stored weighted, in X's dtype (above).
 - forward only (torch.no_grad(), or nothing needs grad): sweep 1, gather, loss; no G, no
   dX: 2NHV flops.
 - weight needs grad: the forward is forward-only; the backward recomputes each chunk with
@@ -61,10 +67,17 @@ is ~0.84 of the bf16 matmul rate (counted as 4NHV), ~0.80 if the kernel reaches 
 A row is V * 4 = 608 KB, so with hundreds of rows in flight sweep 2 re-reads from HBM, not
 L2; a single sweep would need the final lse before writing G.
 
-Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 2 GiB by
-default on CUDA: at most 3533 rows at V = 151936, i.e. 5 chunks of 3277 rows at N = 16384),
-dX [N, H] fp32 (256 MiB at N = 16384, H = 4096), per-slot coefficients [N, k'] fp32, and
-dW's fp32 [V, H] accumulator plus one [V, H] fp32 product per chunk when W requires grad.
+Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 256 MiB by
+default on CUDA: at most 441 rows at V = 151936, i.e. 38 chunks of 432 rows at N = 16384,
+250 MiB; 1365 rows at V = 49152, 7 chunks of 1171 at N = 8192), dX [N, H] in X's dtype
+(128 MiB in bf16 at N = 16384, H = 4096; fp32, 256 MiB, for reduction "none") and a
+[C, H] fp32 chunk of it (7 MiB), per-slot coefficients [N, k'] fp32, and dW's fp32 [V, H]
+accumulator plus one [V, H] fp32 product per chunk when W requires grad. At the 8B shape
+that is ~390 MiB of extra memory in training (was 2,034 MiB measured on an H200 with the
+2 GiB workspace and an fp32 dX). Smaller chunks mean more GEMM launches of smaller M: at
+M ~ 430, K = 4096 the logits GEMM still has ~13 waves of 128 x 256 tiles on 132 SMs, and
+the dX GEMM (M ~ 430, N = H, K = V) leans on cuBLAS's split-K; bench/loss_bench.py sweeps
+the workspace to show what that costs on a GPU.
 
 Races and determinism: one program per row, no atomics; the result is the same on every
 run (cuBLAS is deterministic for a fixed shape and stream). Sweep 2 stores a bf16 tile over
