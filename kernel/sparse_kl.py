@@ -117,7 +117,8 @@ def _to_storage(x, G_DTYPE: tl.constexpr, ROUND_BY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows_kernel(
+def _one_row(
+    row,  # int64: the row of the chunk
     z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
     ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
     lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
@@ -142,7 +143,8 @@ def _chunk_rows_kernel(
     K_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """One row: the loss, its slot coefficients and argmax, then G over the row (see the
+    module docstring, "How", step 2)."""
     z_row = z_ptr + row * stride_z
     g_row = z_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True) + row * stride_g
 
@@ -225,6 +227,46 @@ def _chunk_rows_kernel(
         tl.store(g_row + ids, _to_storage(total * scale, G_DTYPE, ROUND_BY_BITS), mask=valid)
 
 
+
+@triton.jit
+def _chunk_rows_kernel(
+    z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
+    ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
+    lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
+    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET)
+    scale_ptr,  # [C] fp32: factor on G (read when HAS_SCALE)
+    row_ptr,  # [C] fp32 out: the row loss
+    arg_ptr,  # [C] int64 out: first index of the row's max logit
+    coef_ptr,  # [C, K] fp32 out: the logit gradient at each slot's id, 0 at a repeated id's later slots
+    n_rows,  # rows in the chunk
+    V,
+    K,
+    KT,
+    stride_z,  # in fp32 elements
+    stride_g,  # in G_DTYPE elements: stride_z * 4 / sizeof(G_DTYPE)
+    ce_weight,
+    tail_eps,
+    TAIL_BUCKET: tl.constexpr,
+    USE_CE: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ROUND_BY_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # A program per row (grid = n_rows), or a persistent grid of fewer programs that each
+    # take every num_programs-th row (TritonConfig.programs_per_sm): fewer rows in flight,
+    # so that a row's second sweep finds its logits still in L2.
+    # int64 rows: row * stride_z passes 2^31 at 3533 rows of V = 151936.
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        _one_row(
+            row, z_ptr, ids_ptr, lq_ptr, qtail_ptr, scale_ptr, row_ptr, arg_ptr, coef_ptr, V, K, KT,
+            stride_z, stride_g, ce_weight, tail_eps, TAIL_BUCKET, USE_CE, WRITE_G, HAS_SCALE, G_DTYPE,
+            ROUND_BY_BITS, K_PAD, BLOCK_V,
+        )
+
+
 # Decided by triton.jit when this module was imported: an interpreted kernel is not a
 # JITFunction. Interpreted kernels run on CPU tensors.
 INTERPRETED = not isinstance(_chunk_rows_kernel, JITFunction)
@@ -240,16 +282,29 @@ class TritonConfig:
     """Vocabulary entries per tile of a row's sweeps (power of two >= 16)."""
     num_warps: int = 8
     """Warps per program, i.e. per row (power of two; ignored by the interpreter)."""
+    programs_per_sm: int = 0
+    """0: one program per row of the chunk. n > 0: a persistent grid of n programs per
+    streaming multiprocessor (one per CPU under the interpreter), each taking every
+    grid-th row, so that fewer rows are in flight and a row's second sweep can find its
+    logits in L2 (at V = 49152 a row is 192 KiB: 132 SMs x 1 row = 25 MiB)."""
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
             raise ValueError(f"TritonConfig.block_v={self.block_v}: use a power of two >= 16")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"TritonConfig.num_warps={self.num_warps}: use a power of two")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"TritonConfig.programs_per_sm={self.programs_per_sm}: use 0 (a program per row) "
+                             "or a positive count")
 
 
 # Under the interpreter every program runs in turn on the CPU: small tiles, few programs.
 _INTERPRETER_CONFIG = TritonConfig(block_v=256, num_warps=1)
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for CPU tensors (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def chunk_rows(n: int, v: int, workspace_bytes: int) -> int:
@@ -426,10 +481,11 @@ class _ChunkLauncher:
         """Run the row kernel on chunk [r0, r1); returns G [C, V] (a view of z's bytes)."""
         c, v = z.shape
         k = self.ids.shape[1]
-        _chunk_rows_kernel[(c,)](
+        grid = c if not self.config.programs_per_sm else min(c, self.config.programs_per_sm * _processors(z.device))
+        _chunk_rows_kernel[(grid,)](
             z, self.ids[r0:r1], self.lq[r0:r1], self.q_tail[r0:r1],
             scale if scale is not None else rows, rows, argmax, coef,
-            v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
+            c, v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
             TAIL_BUCKET=self.tail_bucket, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
             HAS_SCALE=scale is not None, G_DTYPE=_TL_DTYPES[self.g_dtype],
             ROUND_BY_BITS=INTERPRETED and self.g_dtype == torch.bfloat16,

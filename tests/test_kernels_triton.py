@@ -40,6 +40,7 @@ def test_runs_interpreted():
         (TritonConfig(block_v=16), 37),  # 65 tiles per sweep, one chunk
         (TritonConfig(block_v=2048), 5),  # one tile wider than V, eight chunks
         (TritonConfig(block_v=64), 1),  # one row per chunk
+        (TritonConfig(block_v=128, programs_per_sm=3), 16),  # persistent: 3 programs over 13 rows
     ],
 )
 @pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
@@ -198,7 +199,8 @@ def test_bf16_rounding_is_nearest_even():
     assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16))
 
 
-@pytest.mark.parametrize("field, value", [("block_v", 8), ("block_v", 100), ("num_warps", 6), ("num_warps", 0)])
+@pytest.mark.parametrize("field, value", [("block_v", 8), ("block_v", 100), ("num_warps", 6), ("num_warps", 0),
+                                          ("programs_per_sm", -1)])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=f"TritonConfig.{field}"):
         TritonConfig(**{field: value})
@@ -236,7 +238,8 @@ from triton.compiler import ASTSource
 from dflash.kernels.sparse_kl import INTERPRETED, _chunk_rows_kernel
 assert not INTERPRETED
 args = {"z_ptr": "*fp32", "ids_ptr": "*i64", "lq_ptr": "*fp32", "qtail_ptr": "*fp32", "scale_ptr": "*fp32",
-        "row_ptr": "*fp32", "arg_ptr": "*i64", "coef_ptr": "*fp32", "V": "i32", "K": "i32", "KT": "i32",
+        "row_ptr": "*fp32", "arg_ptr": "*i64", "coef_ptr": "*fp32", "n_rows": "i32", "V": "i32", "K": "i32",
+        "KT": "i32",
         "stride_z": "i32", "stride_g": "i32", "ce_weight": "fp32", "tail_eps": "fp32"}
 variants = [
     dict(TAIL_BUCKET=True, USE_CE=False, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.bfloat16),
