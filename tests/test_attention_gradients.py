@@ -75,6 +75,28 @@ def test_flex_forward_matches_float64_dense_on_ragged_layouts(ragged):
     assert rel(flex, dense) < 1e-12
 
 
+@pytest.mark.parametrize("quick, ragged", [(False, False), (False, True), (True, True)])
+def test_block_mask_tiles_are_exactly_the_visible_tiles(quick, ragged):
+    """Flex computes only the tiles its BlockMask lists: at the check's shape (Q 4096 over
+    KV 8192) and the ragged layout (Q 320 over KV 1914, neither a multiple of 128), they are
+    exactly the 128 x 128 tiles holding a visible entry of the dense mask, the BlockMask's
+    lengths are the layout's, and no query row is fully masked."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    config, segments, B, _, _ = drafter_case(quick, ragged=ragged)
+    layout = BlockLayout.build(segments, B)
+    block_mask = DFlashDrafter(DrafterConfig(**config), attention="flex")._flex_block_mask(layout)
+    dense = layout.dense_mask()  # [Q, C+Q]
+    q_len, kv_len = dense.shape
+    assert tuple(block_mask.seq_lengths) == (q_len, kv_len)
+    assert dense.any(1).all()
+    listed = block_mask.to_dense()[0, 0].bool()  # [Q tiles, KV tiles]
+    qb, kb = block_mask.BLOCK_SIZE
+    padded = torch.zeros(listed.shape[0] * qb, listed.shape[1] * kb, dtype=torch.bool)
+    padded[:q_len, :kv_len] = dense
+    needed = padded.unflatten(0, (-1, qb)).unflatten(2, (-1, kb)).any(3).any(1)
+    assert torch.equal(listed, needed)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quick", [True, False])
 def test_flex_gradients_match_float64_reference_on_cuda(quick):
