@@ -100,7 +100,8 @@ def sparse_kl_loss(
     memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 256 MiB on
     CUDA); "triton" is chunked the same way, with cuBLAS for the two GEMMs and one fused
     Triton kernel per chunk for everything else, dX formed in the forward when the head is
-    frozen (kept in hidden's dtype, already weighted, for reduction "mean"/"sum"; CUDA, or
+    frozen (kept in hidden's dtype, already weighted, for bf16/fp32 and reduction "mean" or
+    "sum"; CUDA, or
     CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
     tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
     all and takes the torch path's N*k'*H gather whatever impl says.
@@ -195,8 +196,11 @@ def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weig
 
 
 def _stores_dx(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this call's backward needs dX only (hidden requires grad, the head is frozen)."""
-    return torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+    """Whether this call's backward needs dX only (hidden requires grad, the head is frozen)
+    and dX may be stored weighted in hidden's dtype: bf16 or fp32, not fp16, whose range
+    would flush the weighted logit gradient (p * w / sum w ~ 1e-9) to zero."""
+    return (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+            and hidden.dtype in (torch.bfloat16, torch.float32))
 
 
 def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, ce_weight,

@@ -161,6 +161,21 @@ def test_reduced_path_unit_grad_is_exact_and_matches_per_row_path():
     assert rel_err(y.grad, x.grad) <= 2.0**-7
 
 
+@pytest.mark.e2e  # the kernel in the CPU interpreter
+def test_fp16_keeps_the_per_row_path():
+    """fp16 cannot hold the weighted logit gradient (p * w / sum w underflows), so an fp16
+    call keeps dX in fp32 and scales it in the backward (the per-row Function)."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=24, dtype=torch.float16)
+    ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight)
+    x = hidden.clone().requires_grad_(True)
+    out = sparse_kl_loss(x, weight, ids, logprobs, impl="triton", workspace_bytes=5 * v * 4,
+                         triton_config=TritonConfig(block_v=128))
+    assert "Reduced" not in type(out.grad_fn).__name__
+    out.backward()
+    assert rel_err(out, ref) <= 1e-3 and rel_err(x.grad, ref_dx) <= 2.0**-7
+
+
 @pytest.mark.parametrize("impl", ["naive", "torch", pytest.param("triton", marks=pytest.mark.e2e)])
 def test_argmax_ties_take_the_first_index(impl):
     """Exact ties within a tile and across tiles resolve to the smallest id, as torch.argmax
