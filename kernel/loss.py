@@ -97,10 +97,12 @@ def sparse_kl_loss(
     gradient whatever their teacher values). Ids must lie in [0, V).
 
     impl: "naive" materialises the [N, V] logits; "torch" is chunked over rows (peak extra
-    memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 2 GiB on
+    memory one [C, V] fp32 buffer of `workspace_bytes`, default 128 MiB on CPU, 256 MiB on
     CUDA); "triton" is chunked the same way, with cuBLAS for the two GEMMs and one fused
     Triton kernel per chunk for everything else, dX formed in the forward when the head is
-    frozen (CUDA, or CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
+    frozen (kept in hidden's dtype, already weighted, for bf16/fp32 and reduction "mean" or
+    "sum"; CUDA, or
+    CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
     tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
     all and takes the torch path's N*k'*H gather whatever impl says.
 
@@ -136,6 +138,14 @@ def sparse_kl_loss(
     if tail_mass is not None:
         tail_mass = torch.where(live, tail_mass.float(), 1.0)
 
+    if impl == "triton" and reduction != "none" and _stores_dx(hidden, weight):
+        # Training with a frozen head: the kernel returns the reduced loss and keeps dX,
+        # scaled by each row's weight, in hidden's dtype (sparse_kl.py, "Workspace").
+        denominator = w.sum().clamp(min=torch.finfo(torch.float32).tiny) if reduction == "mean" else w.new_ones(())
+        loss, argmax = _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, torch.where(live, w, 0.0),
+                                       denominator, tail=tail, ce_weight=ce_weight, workspace_bytes=workspace_bytes,
+                                       config=triton_config)
+        return (loss, argmax) if return_argmax else loss
     if impl == "triton":
         rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
                                     workspace_bytes=workspace_bytes, config=triton_config)
@@ -178,6 +188,33 @@ def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weigh
 
 def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
     """The triton impl's [N] row losses and [N] argmax (kernel/sparse_kl.py)."""
+    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+    return _sparse_kl_module().triton_sparse_kl_rows(
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
+        workspace_bytes=workspace_bytes, config=config,
+    )
+
+
+def _stores_dx(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this call's backward needs dX only (hidden requires grad, the head is frozen)
+    and dX may be stored weighted in hidden's dtype: bf16 or fp32, not fp16, whose range
+    would flush the weighted logit gradient (p * w / sum w ~ 1e-9) to zero."""
+    return (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+            and hidden.dtype in (torch.bfloat16, torch.float32))
+
+
+def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, ce_weight,
+                    workspace_bytes, config):
+    """The triton impl's reduced loss and [N] argmax (kernel/sparse_kl.py, frozen head)."""
+    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
+    return _sparse_kl_module().triton_sparse_kl_loss(
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), row_weight, denominator, tail=tail,
+        ce_weight=ce_weight, workspace_bytes=workspace_bytes, config=config,
+    )
+
+
+def _sparse_kl_module():
+    """kernel/sparse_kl.py, imported at call time; RuntimeError with the fix without triton."""
     try:
         from . import sparse_kl
     except ImportError as err:
@@ -185,11 +222,7 @@ def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weig
             "sparse_kl_loss(impl='triton') needs the triton package (Linux with CUDA); "
             "use impl='torch' on this machine"
         ) from err
-    lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
-    return sparse_kl.triton_sparse_kl_rows(
-        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
-        workspace_bytes=workspace_bytes, config=config,
-    )
+    return sparse_kl
 
 
 def _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass) -> None:

@@ -37,15 +37,21 @@ How (one chunk of C rows at a time, C = workspace_bytes // (4 V), balanced over 
    ids: each slot's total sum_{same id} d_slot + d_lse p_i, formed in fp32 and rounded once,
    so the p_j - q_j cancellation happens before any rounding (Liger 1329). The dense part
    is all of one sign per row: rounding it to bf16 is a 2^-9 relative error, no cancellation.
-3. cuBLAS: dX_c = G_c W, fp32 out, kept [N, H] fp32 until the backward.
+3. cuBLAS: dX_c = G_c W, fp32 out.
 
-The loss is a sum of rows, so d loss / d X_n = d_row_n * dX_n exactly: the backward only
-multiplies the stored dX by the upstream gradient of each row (a scalar times w_n / sum w
-for reduction="mean", per row for "none") and casts to X's dtype. Nothing is ever [N, V].
+The loss is a sum of rows, so d loss / d X_n = d_row_n * dX_n exactly. For reduction "mean"
+or "sum" (training: `_TritonSparseKLReduced`) d_row_n = g * s_n with s_n = w_n / sum w (or
+w_n) known in the forward and g the upstream scalar: the kernel multiplies G by s_n in fp32
+before G's rounding, dX_c goes through a per-chunk [C, H] fp32 buffer into an [N, H] tensor
+of X's dtype (one rounding, as before), and the backward is g * dX (exact for g = 1). For
+reduction "none" (`_TritonSparseKL`) the rows' gradients are known only in the backward:
+dX is kept [N, H] fp32 and the backward multiplies and casts in one op. Nothing is ever
+[N, V].
 
 Modes (chosen per call):
 - hidden needs grad, weight frozen (DFlash): the above, 4NHV flops. tail="renorm" without
   CE has no dense term: the kernel writes no G and dX is the N*k'*H sparse sum instead.
+  With reduction "mean"/"sum" dX is stored weighted, in X's dtype (above).
 - forward only (torch.no_grad(), or nothing needs grad): sweep 1, gather, loss; no G, no
   dX: 2NHV flops.
 - weight needs grad: the forward is forward-only; the backward recomputes each chunk with
@@ -61,10 +67,17 @@ is ~0.84 of the bf16 matmul rate (counted as 4NHV), ~0.80 if the kernel reaches 
 A row is V * 4 = 608 KB, so with hundreds of rows in flight sweep 2 re-reads from HBM, not
 L2; a single sweep would need the final lse before writing G.
 
-Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 2 GiB by
-default on CUDA: at most 3533 rows at V = 151936, i.e. 5 chunks of 3277 rows at N = 16384),
-dX [N, H] fp32 (256 MiB at N = 16384, H = 4096), per-slot coefficients [N, k'] fp32, and
-dW's fp32 [V, H] accumulator plus one [V, H] fp32 product per chunk when W requires grad.
+Workspace (beyond inputs and outputs): the [C, V] fp32 chunk (workspace_bytes, 256 MiB by
+default on CUDA: at most 441 rows at V = 151936, i.e. 38 chunks of 432 rows at N = 16384,
+250 MiB; 1365 rows at V = 49152, 7 chunks of 1171 at N = 8192), dX [N, H] in X's dtype
+(128 MiB in bf16 at N = 16384, H = 4096; fp32, 256 MiB, for reduction "none") and a
+[C, H] fp32 chunk of it (7 MiB), per-slot coefficients [N, k'] fp32, and dW's fp32 [V, H]
+accumulator plus one [V, H] fp32 product per chunk when W requires grad. At the 8B shape
+that is ~390 MiB of extra memory in training (was 2,034 MiB measured on an H200 with the
+2 GiB workspace and an fp32 dX). Smaller chunks mean more GEMM launches of smaller M: at
+M ~ 430, K = 4096 the logits GEMM still has ~13 waves of 128 x 256 tiles on 132 SMs, and
+the dX GEMM (M ~ 430, N = H, K = V) leans on cuBLAS's split-K; bench/loss_bench.py sweeps
+the workspace to show what that costs on a GPU.
 
 Races and determinism: one program per row, no atomics; the result is the same on every
 run (cuBLAS is deterministic for a fixed shape and stream). Sweep 2 stores a bf16 tile over
@@ -104,7 +117,8 @@ def _to_storage(x, G_DTYPE: tl.constexpr, ROUND_BY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows_kernel(
+def _one_row(
+    row,  # int64: the row of the chunk
     z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
     ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
     lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
@@ -129,7 +143,8 @@ def _chunk_rows_kernel(
     K_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """One row: the loss, its slot coefficients and argmax, then G over the row (see the
+    module docstring, "How", step 2)."""
     z_row = z_ptr + row * stride_z
     g_row = z_ptr.to(tl.pointer_type(G_DTYPE), bitcast=True) + row * stride_g
 
@@ -212,6 +227,46 @@ def _chunk_rows_kernel(
         tl.store(g_row + ids, _to_storage(total * scale, G_DTYPE, ROUND_BY_BITS), mask=valid)
 
 
+
+@triton.jit
+def _chunk_rows_kernel(
+    z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
+    ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
+    lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
+    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET)
+    scale_ptr,  # [C] fp32: factor on G (read when HAS_SCALE)
+    row_ptr,  # [C] fp32 out: the row loss
+    arg_ptr,  # [C] int64 out: first index of the row's max logit
+    coef_ptr,  # [C, K] fp32 out: the logit gradient at each slot's id, 0 at a repeated id's later slots
+    n_rows,  # rows in the chunk
+    V,
+    K,
+    KT,
+    stride_z,  # in fp32 elements
+    stride_g,  # in G_DTYPE elements: stride_z * 4 / sizeof(G_DTYPE)
+    ce_weight,
+    tail_eps,
+    TAIL_BUCKET: tl.constexpr,
+    USE_CE: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ROUND_BY_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # A program per row (grid = n_rows), or a persistent grid of fewer programs that each
+    # take every num_programs-th row (TritonConfig.programs_per_sm): fewer rows in flight,
+    # so that a row's second sweep finds its logits still in L2.
+    # int64 rows: row * stride_z passes 2^31 at 3533 rows of V = 151936.
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        _one_row(
+            row, z_ptr, ids_ptr, lq_ptr, qtail_ptr, scale_ptr, row_ptr, arg_ptr, coef_ptr, V, K, KT,
+            stride_z, stride_g, ce_weight, tail_eps, TAIL_BUCKET, USE_CE, WRITE_G, HAS_SCALE, G_DTYPE,
+            ROUND_BY_BITS, K_PAD, BLOCK_V,
+        )
+
+
 # Decided by triton.jit when this module was imported: an interpreted kernel is not a
 # JITFunction. Interpreted kernels run on CPU tensors.
 INTERPRETED = not isinstance(_chunk_rows_kernel, JITFunction)
@@ -227,16 +282,29 @@ class TritonConfig:
     """Vocabulary entries per tile of a row's sweeps (power of two >= 16)."""
     num_warps: int = 8
     """Warps per program, i.e. per row (power of two; ignored by the interpreter)."""
+    programs_per_sm: int = 0
+    """0: one program per row of the chunk. n > 0: a persistent grid of n programs per
+    streaming multiprocessor (one per CPU under the interpreter), each taking every
+    grid-th row, so that fewer rows are in flight and a row's second sweep can find its
+    logits in L2 (at V = 49152 a row is 192 KiB: 132 SMs x 1 row = 25 MiB)."""
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
             raise ValueError(f"TritonConfig.block_v={self.block_v}: use a power of two >= 16")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"TritonConfig.num_warps={self.num_warps}: use a power of two")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"TritonConfig.programs_per_sm={self.programs_per_sm}: use 0 (a program per row) "
+                             "or a positive count")
 
 
 # Under the interpreter every program runs in turn on the CPU: small tiles, few programs.
 _INTERPRETER_CONFIG = TritonConfig(block_v=256, num_warps=1)
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for CPU tensors (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def chunk_rows(n: int, v: int, workspace_bytes: int) -> int:
@@ -297,7 +365,9 @@ class _TritonSparseKL(torch.autograd.Function):
         d_rows = d_rows.float()
         if ctx.store_dx:
             (dx,) = ctx.saved_tensors
-            return (d_rows[:, None] * dx).to(ctx.hidden_dtype), None, *nones
+            # One fused multiply-and-cast: no [N, H] fp32 product beside the stored dX.
+            out = torch.empty(dx.shape, dtype=ctx.hidden_dtype, device=dx.device)  # [N, H]
+            return torch.mul(dx, d_rows[:, None], out=out), None, *nones
         hidden, weight, ids, lq, q_tail = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         n, h = hidden.shape
@@ -320,6 +390,66 @@ class _TritonSparseKL(torch.autograd.Function):
             d_weight.to(weight.dtype) if need_w else None,
             *nones,
         )
+
+
+class _TritonSparseKLReduced(torch.autograd.Function):
+    """The frozen-head training case: the weighted sum of the rows (a scalar) and the argmax,
+    with dX formed in the forward already scaled by each row's weight and stored in X's dtype.
+
+    The loss is sum_n s_n row_n (s = w / sum w for reduction="mean", w for "sum"), so
+    d loss / d X_n = s_n dX_n: the kernel scales G by s_n in fp32 before its rounding (the
+    HAS_SCALE path of the dW backward), the dX GEMM accumulates in fp32 into a per-chunk
+    [C, H] buffer, and dX is rounded once into an [N, H] tensor of X's dtype (bf16: 128 MiB
+    at N = 16384, H = 4096, where an fp32 dX was 256 MiB). The backward multiplies it by the
+    upstream scalar (exact when that is 1, as for loss.backward()). Rows of weight 0 get
+    s = 0 and so a zero gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, lq, q_tail, row_weight, denominator, tail, ce_weight, workspace_bytes,
+                config):
+        # row_weight [N] fp32 (0 on dead rows), denominator: 0-dim fp32 (sum w, or 1 for "sum").
+        n, h = hidden.shape
+        dev = hidden.device
+        ctx.set_materialize_grads(False)
+        dense = tail == "bucket" or ce_weight != 0.0
+        live = row_weight != 0  # [N] bool
+        scale = row_weight / denominator  # [N] fp32
+        rows = torch.empty(n, dtype=torch.float32, device=dev)  # [N]
+        argmax = torch.empty(n, dtype=torch.int64, device=dev)  # [N]
+        coef = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config)
+        if dense:
+            dx = torch.empty(n, h, dtype=hidden.dtype, device=dev)  # [N, H] in X's dtype
+            # fp32 GEMM output per chunk, then one rounding into dx (a bf16-output GEMM could
+            # reduce split-K partial sums in bf16 under allow_bf16_reduced_precision_reduction).
+            dx_chunk = None if hidden.dtype == torch.float32 else torch.empty(
+                launch.rows_per_chunk, h, dtype=torch.float32, device=dev)  # [C, H]
+            for r0, r1, z in launch.chunks():
+                g = launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1], write_g=True,
+                                       scale=scale[r0:r1])
+                if dx_chunk is None:
+                    matmul_f32(g, launch.w_mm, out=dx[r0:r1])
+                else:
+                    dx[r0:r1].copy_(matmul_f32(g, launch.w_mm, out=dx_chunk[: r1 - r0]))
+        else:
+            for r0, r1, z in launch.chunks():
+                launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1], write_g=False, scale=None)
+            # renorm without CE: the gradient lives on the k' ids only (N*k'*H work).
+            dx = sparse_rows_f32(coef * scale[:, None], ids, weight, workspace_bytes).to(hidden.dtype)  # [N, H]
+        del launch  # the workspace goes back to the allocator before the caller's next step
+        ctx.save_for_backward(dx)
+        ctx.mark_non_differentiable(argmax)
+        return torch.where(live, row_weight * rows, 0.0).sum() / denominator, argmax
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_loss, _d_argmax):
+        nones = (None,) * 10
+        if d_loss is None:
+            return None, None, *nones
+        (dx,) = ctx.saved_tensors
+        return dx * d_loss.float(), None, *nones  # computed in fp32, rounded once to X's dtype
 
 
 class _ChunkLauncher:
@@ -351,10 +481,11 @@ class _ChunkLauncher:
         """Run the row kernel on chunk [r0, r1); returns G [C, V] (a view of z's bytes)."""
         c, v = z.shape
         k = self.ids.shape[1]
-        _chunk_rows_kernel[(c,)](
+        grid = c if not self.config.programs_per_sm else min(c, self.config.programs_per_sm * _processors(z.device))
+        _chunk_rows_kernel[(grid,)](
             z, self.ids[r0:r1], self.lq[r0:r1], self.q_tail[r0:r1],
             scale if scale is not None else rows, rows, argmax, coef,
-            v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
+            c, v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
             TAIL_BUCKET=self.tail_bucket, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
             HAS_SCALE=scale is not None, G_DTYPE=_TL_DTYPES[self.g_dtype],
             ROUND_BY_BITS=INTERPRETED and self.g_dtype == torch.bfloat16,
@@ -394,4 +525,35 @@ def triton_sparse_kl_rows(
     return _TritonSparseKL.apply(
         hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
         q_tail.float().contiguous(), tail, float(ce_weight), workspace_bytes, config, grad_x, grad_w,
+    )
+
+
+def triton_sparse_kl_loss(
+    hidden: torch.Tensor,  # [N, H] bf16/fp16/fp32, requires grad
+    weight: torch.Tensor,  # [V, H] same dtype, frozen
+    ids: torch.Tensor,  # [N, k'] integer
+    lq: torch.Tensor,  # [N, k] fp32 floored
+    q_tail: torch.Tensor,  # [N] fp32
+    row_weight: torch.Tensor,  # [N] fp32, 0 on rows that do not count
+    denominator: torch.Tensor,  # 0-dim fp32: sum of the weights ("mean") or 1 ("sum")
+    *,
+    tail: str,
+    ce_weight: float,
+    workspace_bytes: int,
+    config: TritonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, argmax [N] int64): sum_n row_weight_n * row_n / denominator, differentiable in
+    hidden (the head frozen), with dX stored in hidden's dtype (`_TritonSparseKLReduced`)."""
+    if not hidden.is_cuda and not INTERPRETED:
+        raise ValueError(
+            "sparse_kl_loss(impl='triton') got CPU tensors: it needs CUDA tensors, or the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before dflash.kernels.sparse_kl is first imported); "
+            "on CPU use impl='torch'"
+        )
+    if config is None:
+        config = _INTERPRETER_CONFIG if INTERPRETED else TritonConfig()
+    return _TritonSparseKLReduced.apply(
+        hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
+        q_tail.float().contiguous(), row_weight.float().contiguous(), denominator.float(), tail, float(ce_weight),
+        workspace_bytes, config,
     )

@@ -23,8 +23,11 @@ def test_gpu_train_check_runs_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     names = [c["check"] for c in report["checks"]]
-    assert report["failed"] == [] and len(names) == 3, names
-    assert names[0] == "flex vs dense forward, fp32 (relative)"
+    assert report["failed"] == [] and len(names) == 8, names
+    assert names[0] == "dense fp32 vs float64 dense: forward (relative)"
+    assert names[2] == "flex fp32 vs float64 dense: forward (relative)"
+    grads = report["attention"]["main"]["errors"]["dense"]["gradients"]
+    assert "layers.0.self_attn.q_proj.weight" in grads and max(grads.values()) < 1e-4
     loss = report["fit"]["reference"]["loss"]
     assert len(loss) == 6 and all(v == v for v in loss)
     assert (tmp_path / "reference" / "checkpoints" / "step-00000006").is_dir()

@@ -40,6 +40,7 @@ def test_runs_interpreted():
         (TritonConfig(block_v=16), 37),  # 65 tiles per sweep, one chunk
         (TritonConfig(block_v=2048), 5),  # one tile wider than V, eight chunks
         (TritonConfig(block_v=64), 1),  # one row per chunk
+        (TritonConfig(block_v=128, programs_per_sm=3), 16),  # persistent: 3 programs over 13 rows
     ],
 )
 @pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
@@ -91,6 +92,90 @@ def test_modes_with_row_gradients(grads, tail, ce_weight):
         assert torch.equal(dx[::4], torch.zeros_like(dx[::4]))
 
 
+# The frozen-head training path (reduction "mean"/"sum", hidden requires grad, the head does
+# not): the kernel returns the reduced loss and keeps dX in X's dtype, scaled by the row
+# weights in the kernel. A workspace of 5 rows splits N = 37 into 8 chunks (7 of 5 rows and
+# a last one of 2), so chunk boundaries fall inside N; a third of the rows have weight 0 and
+# the upstream gradient is a non-unit scalar.
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("bucket", 0.5), ("renorm", 0.0), ("renorm", 0.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
+def test_reduced_path_chunks_weights_and_scalar_grad(reduction, tail, ce_weight, dtype):
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(21)
+    weights = torch.rand(n, generator=g) * 2
+    dead = torch.arange(n) % 3 == 1
+    weights[dead] = 0.0
+    targets = torch.randint(0, v, (n,), generator=g)
+    kw = dict(tail=tail, reduction=reduction, ce_targets=targets, ce_weight=ce_weight)
+    grad_output = torch.tensor(0.37)
+    ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), hidden, weight,
+                                    grad_output=grad_output.double())
+    x = hidden.detach().clone().requires_grad_(True)
+    out, argmax = sparse_kl_loss(x, weight, ids, logprobs, weights, impl="triton", return_argmax=True,
+                                 workspace_bytes=5 * v * 4, triton_config=TritonConfig(block_v=128), **kw)
+    assert type(out.grad_fn).__name__ == "_TritonSparseKLReducedBackward"
+    (stored,) = out.grad_fn.saved_tensors
+    assert stored.dtype == dtype and stored.shape == (n, h)  # dX in X's dtype: no fp32 [N, H]
+    out.backward(grad_output)
+    tol = FP32_TOL if dtype == torch.float32 else 2.0**-7  # bf16: G and dX each rounded once
+    assert rel_err(out, ref) <= (FP32_TOL if dtype == torch.float32 else 1e-3)
+    assert x.grad.dtype == dtype
+    assert rel_err(x.grad, ref_dx) <= tol
+    assert torch.equal(x.grad[dead], torch.zeros_like(x.grad[dead]))
+    assert torch.equal(argmax, (hidden.double() @ weight.double().T).argmax(1))
+
+
+@pytest.mark.e2e  # the kernel in the CPU interpreter
+def test_reduced_path_all_weights_zero():
+    """reduction="mean" with every weight 0: loss 0 and a zero gradient (no 0/0)."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=22)
+    x = hidden.clone().requires_grad_(True)
+    out = sparse_kl_loss(x, weight, ids, logprobs, torch.zeros(n), impl="triton", workspace_bytes=5 * v * 4,
+                         triton_config=TritonConfig(block_v=128))
+    out.backward()
+    assert out.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x.grad))
+
+
+@pytest.mark.e2e  # the kernel in the CPU interpreter
+def test_reduced_path_unit_grad_is_exact_and_matches_per_row_path():
+    """bf16: the reduced path's dX for loss.backward() is the stored bf16 dX itself (the
+    upstream 1 multiplies exactly), and the per-row path (reduction="none", fp32 dX scaled in
+    the backward) gives the same gradient to bf16 rounding: both round G and dX once."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=23, dtype=torch.bfloat16)
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(23)) + 0.5
+    common = dict(impl="triton", workspace_bytes=5 * v * 4, triton_config=TritonConfig(block_v=128))
+    x = hidden.clone().requires_grad_(True)
+    out = sparse_kl_loss(x, weight, ids, logprobs, weights, reduction="sum", **common)
+    (stored,) = out.grad_fn.saved_tensors
+    out.backward()
+    assert torch.equal(x.grad, stored)
+    y = hidden.clone().requires_grad_(True)
+    rows = sparse_kl_loss(y, weight, ids, logprobs, weights, reduction="none", **common)
+    rows.sum().backward()
+    assert rel_err(rows.sum(), out) <= 1e-6
+    assert rel_err(y.grad, x.grad) <= 2.0**-7
+
+
+@pytest.mark.e2e  # the kernel in the CPU interpreter
+def test_fp16_keeps_the_per_row_path():
+    """fp16 cannot hold the weighted logit gradient (p * w / sum w underflows), so an fp16
+    call keeps dX in fp32 and scales it in the backward (the per-row Function)."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=24, dtype=torch.float16)
+    ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs), hidden, weight)
+    x = hidden.clone().requires_grad_(True)
+    out = sparse_kl_loss(x, weight, ids, logprobs, impl="triton", workspace_bytes=5 * v * 4,
+                         triton_config=TritonConfig(block_v=128))
+    assert "Reduced" not in type(out.grad_fn).__name__
+    out.backward()
+    assert rel_err(out, ref) <= 1e-3 and rel_err(x.grad, ref_dx) <= 2.0**-7
+
+
 @pytest.mark.parametrize("impl", ["naive", "torch", pytest.param("triton", marks=pytest.mark.e2e)])
 def test_argmax_ties_take_the_first_index(impl):
     """Exact ties within a tile and across tiles resolve to the smallest id, as torch.argmax
@@ -129,7 +214,8 @@ def test_bf16_rounding_is_nearest_even():
     assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16))
 
 
-@pytest.mark.parametrize("field, value", [("block_v", 8), ("block_v", 100), ("num_warps", 6), ("num_warps", 0)])
+@pytest.mark.parametrize("field, value", [("block_v", 8), ("block_v", 100), ("num_warps", 6), ("num_warps", 0),
+                                          ("programs_per_sm", -1)])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=f"TritonConfig.{field}"):
         TritonConfig(**{field: value})
@@ -156,8 +242,9 @@ def test_cpu_tensors_without_interpreter_raise():
 
 # Compiles the kernel to a cubin for sm_90 with the ptxas that ships in the triton wheel
 # (no GPU or driver needed): the code the GPU runs (the hardware bf16 cast, the barriers)
-# is never compiled by the interpreter. The variants: the DFlash case (bucket, bf16 G),
-# fp32 G with CE and a row scale (the dW recompute), and forward only (renorm).
+# is never compiled by the interpreter. The variants: the DFlash case (bucket, bf16 G scaled
+# by the row weights), fp32 G with CE and a row scale (the dW recompute), and forward only
+# (renorm).
 COMPILE_CODE = r"""
 import os, sys
 import triton, triton.language as tl
@@ -166,10 +253,11 @@ from triton.compiler import ASTSource
 from dflash.kernels.sparse_kl import INTERPRETED, _chunk_rows_kernel
 assert not INTERPRETED
 args = {"z_ptr": "*fp32", "ids_ptr": "*i64", "lq_ptr": "*fp32", "qtail_ptr": "*fp32", "scale_ptr": "*fp32",
-        "row_ptr": "*fp32", "arg_ptr": "*i64", "coef_ptr": "*fp32", "V": "i32", "K": "i32", "KT": "i32",
+        "row_ptr": "*fp32", "arg_ptr": "*i64", "coef_ptr": "*fp32", "n_rows": "i32", "V": "i32", "K": "i32",
+        "KT": "i32",
         "stride_z": "i32", "stride_g": "i32", "ce_weight": "fp32", "tail_eps": "fp32"}
 variants = [
-    dict(TAIL_BUCKET=True, USE_CE=False, WRITE_G=True, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
+    dict(TAIL_BUCKET=True, USE_CE=False, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.bfloat16),
     dict(TAIL_BUCKET=True, USE_CE=True, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.float32),
     dict(TAIL_BUCKET=False, USE_CE=False, WRITE_G=False, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
 ]
