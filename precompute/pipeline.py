@@ -34,10 +34,11 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash.precompute.data import ChatEncoder, Encoded
+from dflash.precompute.device_codecs import DEVICE_CODECS
 from dflash.precompute.group import Group
 from dflash.precompute.plan import plan_batches
 from dflash.shards import CacheWriter
@@ -76,6 +77,19 @@ class RankStats:
     """Time in the target forward (capture and top-k included)."""
     generate_s: float = 0.0
     """Time in generation."""
+    encode_s: float = 0.0
+    """Time the device spent encoding features (bf16 and fp8; the basis codecs encode on the host)."""
+    host_s: float = 0.0
+    """The writer's work on the host (validation, encoding, checksums, rows, writes, fsync), in
+    its thread when it has one: CPU seconds, fsync and waits for device copies in wall seconds."""
+    host_parts_s: dict[str, float] = field(default_factory=dict)
+    """host_s by part: validate, host_encode, topk, checksum, rows, write, fsync, copy_wait."""
+    writer_wait_s: float = 0.0
+    """Time the main loop waited on the writer thread (its queue full, or draining at the end)."""
+
+    TIMES: ClassVar[tuple[str, ...]] = ("forward_s", "generate_s", "encode_s", "host_s", "host_parts_s",
+                                        "writer_wait_s")
+    """The fields that are times: a run's summary reports rank 0's, the others are summed."""
 
 
 @dataclass
@@ -285,9 +299,12 @@ def forward(run: RankRun, part: list[Item]) -> list[Computed]:
     """One target forward over `part` (one batch)."""
     if not part:
         return []
-    began = time.perf_counter()
-    outputs = run.target.forward([m.encoded.input_ids for m in part], [m.name for m in part])
-    run.stats.forward_s += time.perf_counter() - began
+    began, encode_s = time.perf_counter(), run.target.encode_s
+    codec = run.writer.spec.feature_codec
+    outputs = run.target.forward([m.encoded.input_ids for m in part], [m.name for m in part],
+                                 feature_codec=codec if codec in DEVICE_CODECS else None)
+    run.stats.encode_s += run.target.encode_s - encode_s
+    run.stats.forward_s += time.perf_counter() - began - (run.target.encode_s - encode_s)
     return [Computed(item=item, output=output) for item, output in zip(part, outputs)]
 
 
@@ -296,11 +313,24 @@ def write(run: RankRun, result: Computed) -> None:
     item, output = result.item, result.output
     if item.key in run.done:
         return
+    encoded = {"encoded": True, "feature_scales": output.feature_scales} if output.encoded else {}
     run.writer.add(source=item.source, input_ids=item.encoded.input_ids, loss_mask=item.encoded.loss_mask,
-                   features=output.features, topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs)
+                   features=output.features, topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs,
+                   ready=output.ready, **encoded)
     run.stats.written_sequences += 1
     run.stats.written_tokens += len(item.encoded.input_ids)
     run.stats.truncated += item.encoded.truncated
+
+
+def close_writer(run: RankRun) -> RankStats:
+    """Close this rank's writer (its thread drains first) and return the rank's stats with
+    the writer's times."""
+    run.writer.close()
+    stats, writer = run.stats, run.writer
+    stats.host_parts_s = dict(sorted(writer.times.seconds.items()))
+    stats.host_s = sum(stats.host_parts_s.values())
+    stats.writer_wait_s = writer.wait_s
+    return stats
 
 
 # ----------------------------------------------------------------------------- regenerate
@@ -398,5 +428,5 @@ def generation_seed(seed: int, round_: int, source: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-__all__ = ["NO_REPLY", "Computed", "Item", "RankRun", "RankStats", "compute", "compute_sample", "forward",
-           "generation_seed", "prepare", "process", "read_items", "regenerate", "reject", "write"]
+__all__ = ["NO_REPLY", "Computed", "Item", "RankRun", "RankStats", "close_writer", "compute", "compute_sample",
+           "forward", "generation_seed", "prepare", "process", "read_items", "regenerate", "reject", "write"]
