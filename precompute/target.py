@@ -43,6 +43,9 @@ from dflash.shards.layout import HEAD_FILE
 TOPK_CHUNK_BYTES = 2**28
 # Feature values encoded per chunk on the device: bounds the encoder's float32 temporaries.
 ENCODE_CHUNK_VALUES = 2**26
+# Device types whose forward encodes the features. On a CPU the host is the device, and the
+# numpy encoders (run by the writer) are faster than the torch ones (bench/RESULTS.md stage_one).
+ENCODE_ON_DEVICE_TYPES = ("cuda",)
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -249,9 +252,9 @@ class Target:
         """Features and top-k for each sequence ([T_b] int token ids) of one batch.
 
         `names` label the sequences in errors: a non-finite feature or log-probability
-        raises ValueError naming the sequence. With `feature_codec` in DEVICE_CODECS the
-        features come encoded (TargetOutput.encoded) and `encode_s` holds the seconds the
-        device spent encoding them.
+        raises ValueError naming the sequence. With `feature_codec` in DEVICE_CODECS, on a
+        device type in ENCODE_ON_DEVICE_TYPES, the features come encoded
+        (TargetOutput.encoded) and `encode_s` holds the seconds the device spent encoding them.
         """
         lengths = [len(s) for s in sequences]
         batch, width = len(sequences), max(lengths)
@@ -297,7 +300,7 @@ class Target:
             row = int((~torch.isfinite(topk_logprobs)).any(1).nonzero()[0])
             raise ValueError(f"{names[_owner(starts, row)]}: non-finite target log-probability at "
                              f"position {row - starts[_owner(starts, row)]}")
-        if feature_codec in DEVICE_CODECS:
+        if feature_codec in DEVICE_CODECS and self.device.type in ENCODE_ON_DEVICE_TYPES:
             return self._encoded_outputs(features, topk_ids, topk_logprobs, starts, feature_codec)
         features_np = _features_to_numpy(features)
         ids_np, logprobs_np = topk_ids.cpu().numpy(), topk_logprobs.cpu().numpy()
@@ -317,7 +320,7 @@ class Target:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # times the encode; the GPU is done anyway
         self.encode_s += time.perf_counter() - began
-        host, ready = _to_host(encoded, self.device)
+        host, ready = to_host(encoded, self.device)
         scales = host.get("feature_scales")
         return [TargetOutput(features=host["features"][a:b], topk_ids=host["topk_ids"][a:b],
                              topk_logprobs=host["topk_logprobs"][a:b], encoded=True,
@@ -465,7 +468,7 @@ def _owner(starts: np.ndarray, row: int) -> int:
     return int(np.searchsorted(starts, row, side="right") - 1)
 
 
-def _to_host(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, np.ndarray], Any]:
+def to_host(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, np.ndarray], Any]:
     """Numpy copies of `tensors` and a callable that waits until they hold their values. On
     CUDA the copies go to pinned memory on a side stream (after the work queued so far), so
     the next forward's kernels need not wait for them; elsewhere they are made here."""

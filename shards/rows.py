@@ -196,7 +196,7 @@ def encode_row(
     Basis codecs project the raw features with `basis` (a FeatureBasis) first. With
     `encoded=True` the features (and fp8's feature_scales) are already the stored values
     (encoded on the target's device, bit for bit what this function would make). `times`
-    gathers the CPU time of the parts: host_encode, topk, checksum, rows (the rest).
+    gathers the CPU time of the parts: host_encode, topk, crc32 (the row checksum), rows (the rest).
     """
     times = times if times is not None else PartTimes()
     with times.part("rows"):
@@ -233,7 +233,7 @@ def _encode_row(spec: CacheSpec, *, input_ids: np.ndarray, loss_mask: np.ndarray
     for flat, (_, dtype) in zip(ordered, list_columns(spec)):
         offsets = _array(np.array([0, flat.size], np.int64), pa.int64())
         arrays.append(pa.LargeListArray.from_arrays(offsets, _array(flat, dtype)))
-    with times.part("checksum"):
+    with times.part("crc32"):
         checksum = row_checksum(ordered)
     arrays.append(_array(np.array([checksum], np.uint32), pa.uint32()))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -279,8 +279,8 @@ class CacheWriter:
         self._closed = False
         self._error: BaseException | None = None
         self.times = PartTimes()
-        """Seconds per part of the writing work (validate, host_encode, topk, checksum, rows,
-        write, fsync, copy_wait), in the worker thread or the caller's."""
+        """Seconds per part of the writing work (validate, copy_wait, host_encode, topk, crc32,
+        rows, write, sha256, fsync), in the worker thread or the caller's."""
         self.wait_s = 0.0
         """Wall seconds the caller waited on the worker thread (a full queue, the drain at close)."""
         self._queue: collections.deque | None = None
@@ -637,7 +637,7 @@ class _HashingFile:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = view.nbytes
-        with self._times.part("checksum"):
+        with self._times.part("sha256"):
             self.sha256.update(view)
         while view:
             view = view[self._file.write(view):]
