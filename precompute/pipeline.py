@@ -86,9 +86,12 @@ class RankStats:
     """host_s by part: validate, copy_wait, host_encode, topk, crc32, rows, write, sha256, fsync."""
     writer_wait_s: float = 0.0
     """Time the main loop waited on the writer thread (its queue full, or draining at the end)."""
+    pass_s: float = 0.0
+    """Wall time of the main pass (every batch through the target and the writer, the writer's
+    drain at close included): what the forward's share is measured against."""
 
     TIMES: ClassVar[tuple[str, ...]] = ("forward_s", "generate_s", "encode_s", "host_s", "host_parts_s",
-                                        "writer_wait_s")
+                                        "writer_wait_s", "pass_s")
     """The fields that are times: a run's summary reports rank 0's, the others are summed."""
 
 
@@ -227,6 +230,7 @@ def compute_sample(run: RankRun, items: list[Item], *,
 def compute(run: RankRun, items: list[Item], kept: dict[Key, Computed | None]) -> None:
     """Run this rank's batches and write their rows; the records in `kept` (the basis sample)
     are written from there, not recomputed."""
+    began = time.perf_counter()
     done = run.done
     num_done = sum(item.key in done for item in items)
     run.stats.resumed_sequences += num_done
@@ -243,6 +247,7 @@ def compute(run: RankRun, items: list[Item], kept: dict[Key, Computed | None]) -
             bar.set_postfix_str(f"{num_done + run.stats.written_sequences - first:,}/{len(items):,} seq",
                                 refresh=False)
             bar.update(sum(m.num_tokens for m in members if m.key not in done))
+    run.stats.pass_s += time.perf_counter() - began
 
 
 def _progress(run: RankRun, items: list[Item], desc: str) -> Any:
@@ -325,8 +330,10 @@ def write(run: RankRun, result: Computed) -> None:
 def close_writer(run: RankRun) -> RankStats:
     """Close this rank's writer (its thread drains first) and return the rank's stats with
     the writer's times."""
+    began = time.perf_counter()
     run.writer.close()
     stats, writer = run.stats, run.writer
+    stats.pass_s += time.perf_counter() - began
     stats.host_parts_s = dict(sorted(writer.times.seconds.items()))
     stats.host_s = sum(stats.host_parts_s.values())
     stats.writer_wait_s = writer.wait_s
