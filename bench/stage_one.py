@@ -14,14 +14,15 @@ would, and the bench times, in microseconds per token, every part of what happen
     crc32           the rows' checksum (in the shard format)
     rows            building the Arrow rows (everything of encode_row but the above)
     write           Arrow IPC writes to the shard file (page cache)
-    sha256          the shards' file checksum (the manifest's)
+    shard_checksum  the shards' file checksum (the manifest's: sha256, or xxh3-128)
     fsync           fsync of every sealed shard
 
-for two paths over the same tensors: `legacy`, the path before issue 41 (features crossed to
-the host as bf16, validated in the caller, encoded in numpy, the shard re-read for its
-sha256), timed step by step here with the library's own functions; and `device`, the path
+for three paths over the same tensors: `legacy`, the path before issue 41 (features crossed
+to the host as bf16, validated in the caller, encoded in numpy, the shard re-read for its
+sha256), timed step by step here with the library's own functions; `device`, the path
 stage one runs now (`dflash.precompute.device_codecs` on the device, then
-`CacheWriter.add` of the encoded bytes, whose per-part timers this reads). Times are CPU
+`CacheWriter.add` of the encoded bytes, whose per-part timers this reads); and
+`device-xxh3`, the same with `--shard-checksum xxh3-128`. Times are CPU
 seconds of the thread that did the work (fsync: wall), so a machine shared with other jobs
 does not inflate them much; "after copy" sums everything past the copy to the host, which
 is what one host core must keep up with.
@@ -60,8 +61,8 @@ from dflash.shards.writer import validate_row
 
 # Qwen3-8B: 36 layers of hidden 4096, vocabulary 151,936; the DFlash rule's 5 feature layers.
 QWEN3_8B = {"hidden_size": 4096, "vocab_size": 151_936, "layer_ids": [1, 9, 17, 25, 33]}
-PARTS = ("device_encode", "copy_to_host", "validate", "topk", "host_encode", "crc32", "rows", "write", "sha256",
-         "fsync")
+PARTS = ("device_encode", "copy_to_host", "validate", "topk", "host_encode", "crc32", "rows", "write",
+         "shard_checksum", "fsync")
 AFTER_COPY = PARTS[2:]
 
 
@@ -135,17 +136,17 @@ def legacy_path(spec: CacheSpec, batches, lengths: list[int], out: Path, basis: 
     parts.timed("write", writer.close)
     parts.timed("fsync", os.fsync, sink.fileno())
     sink.close()
-    parts.timed("sha256", file_sha256, out)
+    parts.timed("shard_checksum", file_sha256, out)
     return parts
 
 
 def device_path(spec: CacheSpec, batches, lengths: list[int], out: Path, basis: FeatureBasis | None,
-                device: torch.device) -> Parts:
+                device: torch.device, shard_checksum: str = "sha256") -> Parts:
     """The host side stage one runs now: features encoded on the device (bf16, fp8), the
     encoded bytes copied to the host, `CacheWriter.add` (in the caller's thread here, so that
     its per-part CPU times are this thread's; the writer thread does the same work)."""
     parts = Parts()
-    writer = CacheWriter(out, spec, basis=basis)
+    writer = CacheWriter(out, spec, basis=basis, shard_checksum=shard_checksum)
     index = 0
     for features, ids, logprobs in batches:
         if spec.feature_codec in DEVICE_CODECS:
@@ -213,7 +214,8 @@ def host_mode(args: argparse.Namespace) -> dict:
                 if path == "legacy":
                     parts = legacy_path(spec, batches, lengths, work / "legacy.arrow", basis)
                 else:
-                    parts = device_path(spec, batches, lengths, work / "device", basis, device)
+                    checksum = "xxh3-128" if path == "device-xxh3" else "sha256"
+                    parts = device_path(spec, batches, lengths, work / path, basis, device, checksum)
                 us = {name: 1e6 * parts.seconds.get(name, 0.0) / num_tokens for name in PARTS}
                 if "copy_wait" in parts.seconds:
                     us["copy_to_host"] += 1e6 * parts.seconds["copy_wait"] / num_tokens
@@ -334,7 +336,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("host", "forward"), default="host")
     parser.add_argument("--codecs", default="bf16,fp8,basis-fp8", help="host mode: feature codecs, comma-separated")
-    parser.add_argument("--paths", default="legacy,device", help="host mode: legacy and/or device")
+    parser.add_argument("--paths", default="legacy,device,device-xxh3",
+                        help="host mode: legacy, device (sha256 shard checksums), device-xxh3 (xxh3-128)")
     parser.add_argument("--feature-rank", type=int, default=1024, help="host mode: the basis codecs' rank")
     parser.add_argument("--num-batches", type=int, default=2, help="host mode: stub batches per codec and path")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch")

@@ -83,7 +83,7 @@ class RankStats:
     """The writer's work on the host (validation, encoding, checksums, rows, writes, fsync), in
     its thread when it has one: CPU seconds, fsync and waits for device copies in wall seconds."""
     host_parts_s: dict[str, float] = field(default_factory=dict)
-    """host_s by part: validate, copy_wait, host_encode, topk, crc32, rows, write, sha256, fsync."""
+    """host_s by part: validate, copy_wait, host_encode, topk, crc32, rows, write, shard_checksum, fsync."""
     writer_wait_s: float = 0.0
     """Time the main loop waited on the writer thread (its queue full, or draining at the end)."""
     pass_s: float = 0.0

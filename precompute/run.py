@@ -294,7 +294,7 @@ def _open_writer(config: PrecomputeConfig, spec: CacheSpec, *, target: Any, rank
         # planned batches wait for the writer (bounded host memory: 2 x batch_tokens tokens).
         background = config.writer_thread == "on" or (config.writer_thread == "auto" and target.device.type == "cuda")
         return CacheWriter(config.out, spec, rank=rank, world_size=world_size, background=background,
-                           queue_tokens=2 * config.batch_tokens)
+                           queue_tokens=2 * config.batch_tokens, shard_checksum=config.shard_checksum)
     except ValueError as error:
         raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
 

@@ -17,15 +17,14 @@ may come with `ready`, a callable the worker calls before it reads the row's arr
 end of their copy from a device): the caller hands over rows whose bytes are still in
 flight. `times` holds the seconds of each part of the work (`rows.PartTimes`).
 
-Each shard's sha256 is computed as its bytes are written (`_HashingFile`), not by reading
-the file back.
+Each shard's checksum (`shard_checksum`: sha256, or xxh3-128, which makes the manifest
+version 3) is computed as its bytes are written (`_HashingFile`), not by reading the file back.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -40,7 +39,14 @@ import pyarrow as pa
 
 from dflash.shards import rows
 from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import file_sha256, fsync_dir, write_atomic, write_json_atomic
+from dflash.shards.files import (
+    SHARD_CHECKSUM_FIELDS,
+    file_sha256,
+    fsync_dir,
+    new_digest,
+    write_atomic,
+    write_json_atomic,
+)
 from dflash.shards.layout import (
     BASIS_FILE,
     MANIFEST,
@@ -54,7 +60,7 @@ from dflash.shards.layout import (
 )
 from dflash.shards.reader import Cache, open_cache
 from dflash.shards.rows import PartTimes
-from dflash.shards.spec import CacheSpec
+from dflash.shards.spec import XXH3_MANIFEST_VERSION, CacheSpec
 
 # Log-probs may exceed 0 and the top-k mass 1 by float rounding of the producer's softmax.
 _LOGPROB_SLACK = 1e-3
@@ -255,6 +261,7 @@ class CacheWriter:
         background: bool = False,
         queue_tokens: int = 1 << 16,
         basis: FeatureBasis | None = None,
+        shard_checksum: str = "sha256",
     ):
         if basis is not None and not spec.is_basis:
             raise ValueError(f"feature_codec {spec.feature_codec!r} stores raw features: pass no basis")
@@ -264,6 +271,8 @@ class CacheWriter:
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         self.cache_dir = Path(cache_dir)
         self.spec = spec
+        new_digest(shard_checksum)  # refuses an unknown algorithm (or a missing xxhash) now
+        self.shard_checksum = shard_checksum
         self.rank = rank
         self.world_size = world_size
         self.shards_dir = self.cache_dir / SHARDS_DIR
@@ -280,7 +289,7 @@ class CacheWriter:
         self._error: BaseException | None = None
         self.times = PartTimes()
         """Seconds per part of the writing work (validate, copy_wait, host_encode, topk, crc32,
-        rows, write, sha256, fsync), in the worker thread or the caller's."""
+        rows, write, shard_checksum, fsync), in the worker thread or the caller's."""
         self.wait_s = 0.0
         """Wall seconds the caller waited on the worker thread (a full queue, the drain at close)."""
         self._queue: collections.deque | None = None
@@ -547,7 +556,7 @@ class CacheWriter:
             return
         batch = rows.encode_row(self.spec, source=source, basis=self.basis, times=self.times, **payload)
         if self._arrow is None:
-            self._sink = _HashingFile(self._tmp_path(), self.times)
+            self._sink = _HashingFile(self._tmp_path(), self.times, self.shard_checksum)
             self._arrow = pa.ipc.new_file(
                 pa.PythonFile(self._sink, mode="w"), self._schema, options=pa.ipc.IpcWriteOptions(compression=None)
             )
@@ -578,7 +587,7 @@ class CacheWriter:
         with self.times.part("fsync"):
             os.fsync(self._sink.fileno())
         self._sink.close()
-        digest = self._sink.sha256.hexdigest()
+        digest = self._sink.digest.hexdigest()
         self._arrow = self._sink = None
         tmp = self._tmp_path()
         final = self.shards_dir / shard_name(self.rank, self._num_shards)
@@ -595,7 +604,7 @@ class CacheWriter:
             "world_size": self.world_size,
             "shard": self._num_shards,
             "path": f"{SHARDS_DIR}/{final.name}",
-            "sha256": digest,
+            SHARD_CHECKSUM_FIELDS[self.shard_checksum]: digest,
             "rows_sha256": rows.shard_rows_sha256(
                 self.spec, f"{SHARDS_DIR}/{final.name}",
                 [r["source"]["file"] for r in self._shard_rows], [r["source"]["index"] for r in self._shard_rows],
@@ -624,21 +633,21 @@ class CacheWriter:
 
 class _HashingFile:
     """A shard's temporary file, written through Arrow's `PythonFile`, that feeds every byte
-    it writes to the shard's sha256 (what the manifest records), so the file is never read
-    back. hashlib releases the GIL on large updates: the caller's thread keeps running."""
+    it writes to the shard's checksum (what the manifest records), so the file is never read
+    back. hashlib and xxhash release the GIL on large updates: the caller's thread keeps running."""
 
-    def __init__(self, path: Path, times: PartTimes):
+    def __init__(self, path: Path, times: PartTimes, algorithm: str):
         self._file = open(path, "wb", buffering=0)
         self._times = times
         self._position = 0
-        self.sha256 = hashlib.sha256()
+        self.digest = new_digest(algorithm)
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = view.nbytes
-        with self._times.part("sha256"):
-            self.sha256.update(view)
+        with self._times.part("shard_checksum"):
+            self.digest.update(view)
         while view:
             view = view[self._file.write(view):]
         self._position += size
@@ -681,9 +690,10 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int) -> C
     for shard in shards:
         for name, size in shard["column_bytes"].items():
             column_bytes[name] = column_bytes.get(name, 0) + size
+    xxh3 = any(SHARD_CHECKSUM_FIELDS["xxh3-128"] in shard for shard in shards)
     manifest = {
         "format": "dflash-cache",
-        "format_version": spec.format_version,
+        "format_version": XXH3_MANIFEST_VERSION if xxh3 else spec.format_version,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "spec": spec.to_dict(),
         "world_size": world_size,
@@ -751,7 +761,8 @@ def _gather_ranks(cache_dir: Path, spec: CacheSpec, world_size: int) -> tuple[li
             for key in sequences:
                 sequences[key] += record["sequences"][key]
             shards.append({key: record[key] for key in (
-                "path", "rank", "sha256", "rows_sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
+                "path", "rank", *SHARD_CHECKSUM_FIELDS.values(), "rows_sha256", "num_bytes", "num_sequences",
+                "num_tokens", "column_bytes") if key in record})
     return shards, rejects, sequences
 
 

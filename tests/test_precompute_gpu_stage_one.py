@@ -29,7 +29,7 @@ def test_gpu_stage_one_runs_on_cpu(tmp_path):
     report = run_script("--device", "cpu", "--quick", "--work-dir", str(tmp_path), timeout_s=600)
     assert report["failures"] == [] and report["quick"]
     assert report["tokens"] > 1000 and report["forward_s"] > 0 and report["pass_s"] >= report["forward_s"]
-    assert {"topk", "crc32", "sha256", "write", "fsync"} <= set(report["host_parts_s"])
+    assert {"topk", "crc32", "shard_checksum", "write", "fsync"} <= set(report["host_parts_s"])
     assert not list(tmp_path.iterdir())  # the target and cache are removed
 
 

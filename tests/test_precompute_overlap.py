@@ -11,7 +11,7 @@ import pytest
 
 import dflash.precompute.target as target_module
 from dflash.precompute.run import run_precompute
-from dflash.shards import open_cache
+from dflash.shards import open_cache, verify_cache
 from dflash.shards.files import file_sha256
 from dflash.testing.builders import RECORDS, build_target, killed_precompute, precompute_config, write_jsonl
 
@@ -80,7 +80,29 @@ def test_the_summary_reports_the_split(target, data, tmp_path):
                                                writer_thread="on"))
     split = json.loads(json.dumps(summary.to_dict()))
     assert split["forward_s"] > 0 and split["host_s"] > 0 and split["writer_wait_s"] >= 0
-    parts = {"validate", "topk", "host_encode", "crc32", "rows", "write", "sha256", "fsync"}
+    parts = {"validate", "topk", "host_encode", "crc32", "rows", "write", "shard_checksum", "fsync"}
     assert parts <= set(split["host_parts_s"])
     assert split["host_s"] == pytest.approx(sum(split["host_parts_s"].values()))
     assert "waiting on the writer" in summary.format()
+
+
+def test_xxh3_shard_checksums_keep_the_shards_and_make_manifest_version_3(reference, target, data, tmp_path,
+                                                                          monkeypatch):
+    codec, expected = reference
+    out = tmp_path / "cache"
+    run_precompute(precompute_config(target, data, out, feature_codec=codec, writer_thread="on",
+                                     shard_checksum="xxh3-128"))
+    assert digests(out) == digests(expected)  # the shards themselves are the same bytes
+    manifest = open_cache(out).manifest
+    assert manifest["format_version"] == 3
+    assert all("xxh3_128" in s and "sha256" not in s for s in manifest["shards"])
+    assert verify_cache(out)["ok"]
+    shard = sorted((out / "shards").glob("*.arrow"))[0]
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    problems = [p["problem"] for p in verify_cache(out)["problems"]]
+    assert any(p.startswith("xxh3-128 ") and "does not match the manifest's" in p for p in problems)
+    monkeypatch.setattr("dflash.shards.spec.READ_VERSIONS", (1, 2))  # a reader from before version 3
+    with pytest.raises(ValueError, match="format version 3"):
+        open_cache(out)
