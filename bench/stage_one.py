@@ -342,7 +342,7 @@ def main() -> None:
     parser.add_argument("--num-batches", type=int, default=2, help="host mode: stub batches per codec and path")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch")
     parser.add_argument("--sequence-tokens", type=int, default=512, help="host mode: tokens per sequence")
-    parser.add_argument("--num-records", type=int, default=48, help="forward mode: synthetic records")
+    parser.add_argument("--num-records", type=int, default=12, help="forward mode: synthetic records")
     parser.add_argument("--device", default="cpu", help="where the stub tensors or the target live")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--work-dir", type=Path, default=None, help="where shards are written (default: temp)")
