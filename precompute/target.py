@@ -10,10 +10,11 @@ the LM head applied to the base model's output reproduces the model's own logits
 checked once at load on a short probe (a model with logit soft-capping or scaling fails
 it); such a model falls back to its own full forward, still with the fp32 work chunked.
 
-Encoding. With `feature_codec` "bf16" or "fp8" the features are encoded on the device, in
-the batch (`device_codecs`), and only the stored bytes cross to the host: on CUDA into
-pinned memory on a side stream, and the outputs carry `ready`, which waits for that copy,
-so the caller can hand them on and launch the next forward while the bytes travel.
+Encoding. With `feature_codec` "bf16" or "fp8" on CUDA the features are encoded on the
+device, in the batch (`device_codecs`), and only the stored bytes cross to the host, into
+pinned memory on a side stream; the outputs carry `ready`, which waits for that copy, so the
+caller can hand them on and launch the next forward while the bytes travel. On a CPU the
+writer's numpy encoders are faster than torch's, so features leave the forward raw there.
 
 Batches are right-padded with an attention mask: a sequence's positions attend only to
 earlier real positions and start at position 0, so its values do not depend on its batch
