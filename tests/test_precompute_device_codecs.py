@@ -39,6 +39,9 @@ def _adversarial(seed: int) -> np.ndarray:
     return np.concatenate([normal, zeros, negative_zeros, _ties()])
 
 
+# The numpy codec warns on the row of the smallest float32 subnormals (its scale underflows);
+# both encoders give the same bytes there too.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_matches_numpy_bit_for_bit(seed, dtype):
@@ -92,6 +95,7 @@ def test_fp8_on_cuda_matches_numpy_bit_for_bit(seed):
     expected_codes, expected_scales = codecs.f32_to_fp8(x.cpu().numpy())
     np.testing.assert_array_equal(codes.cpu().numpy(), expected_codes)
     np.testing.assert_array_equal(scales.cpu().numpy(), expected_scales)
-    bits = encode_features(x[np.abs(x.cpu().numpy()).max(axis=1) < 3.3e38], "bf16")["features"]
-    np.testing.assert_array_equal(bits.cpu().numpy().view(np.uint16),
-                                  codecs.f32_to_bf16(x.cpu().numpy()[np.abs(x.cpu().numpy()).max(axis=1) < 3.3e38]))
+    finite = x.cpu().numpy()
+    finite = finite[np.abs(finite).max(axis=1) < 3.3e38]  # beyond bf16's range the writer refuses the row
+    bits = encode_features(torch.from_numpy(finite).cuda(), "bf16")["features"]
+    np.testing.assert_array_equal(bits.cpu().numpy().view(np.uint16), codecs.f32_to_bf16(finite))
