@@ -87,6 +87,14 @@ class PrecomputeConfig:
     """How long a rank waits for the others at a collective before it fails."""
     progress: bool = field(default=True, metadata={RESUMABLE: True})
     """Progress bar on stderr (rank 0)."""
+    shard_checksum: Literal["sha256", "xxh3-128"] = field(default="sha256", metadata={RESUMABLE: True})
+    """Each shard's checksum in the manifest: sha256, or xxh3-128 (about 7x less CPU per byte, for hosts
+    that must keep up with fast GPUs; needs the xxhash package; readers before manifest version 3 refuse
+    the cache). The shards are the same bytes either way."""
+    writer_thread: Literal["auto", "on", "off"] = field(default="auto", metadata={RESUMABLE: True})
+    """Write shards in a background thread while the target computes the next batch: auto (on a GPU;
+    on a CPU the thread would compete with the forward for the cores), on or off. The shards are the
+    same bytes either way."""
 
     def __post_init__(self) -> None:
         apply_none_words(self)

@@ -34,10 +34,11 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash.precompute.data import ChatEncoder, Encoded
+from dflash.precompute.device_codecs import DEVICE_CODECS
 from dflash.precompute.group import Group
 from dflash.precompute.plan import plan_batches
 from dflash.shards import CacheWriter
@@ -76,6 +77,22 @@ class RankStats:
     """Time in the target forward (capture and top-k included)."""
     generate_s: float = 0.0
     """Time in generation."""
+    encode_s: float = 0.0
+    """Time the device spent encoding features (bf16 and fp8; the basis codecs encode on the host)."""
+    host_s: float = 0.0
+    """The writer's work on the host (validation, encoding, checksums, rows, writes, fsync), in
+    its thread when it has one: CPU seconds, fsync and waits for device copies in wall seconds."""
+    host_parts_s: dict[str, float] = field(default_factory=dict)
+    """host_s by part: validate, copy_wait, host_encode, topk, crc32, rows, write, shard_checksum, fsync."""
+    writer_wait_s: float = 0.0
+    """Time the main loop waited on the writer thread (its queue full, or draining at the end)."""
+    pass_s: float = 0.0
+    """Wall time of the main pass (every batch through the target and the writer, the writer's
+    drain at close included): what the forward's share is measured against."""
+
+    TIMES: ClassVar[tuple[str, ...]] = ("forward_s", "generate_s", "encode_s", "host_s", "host_parts_s",
+                                        "writer_wait_s", "pass_s")
+    """The fields that are times: a run's summary reports rank 0's, the others are summed."""
 
 
 @dataclass
@@ -213,6 +230,7 @@ def compute_sample(run: RankRun, items: list[Item], *,
 def compute(run: RankRun, items: list[Item], kept: dict[Key, Computed | None]) -> None:
     """Run this rank's batches and write their rows; the records in `kept` (the basis sample)
     are written from there, not recomputed."""
+    began = time.perf_counter()
     done = run.done
     num_done = sum(item.key in done for item in items)
     run.stats.resumed_sequences += num_done
@@ -229,6 +247,7 @@ def compute(run: RankRun, items: list[Item], kept: dict[Key, Computed | None]) -
             bar.set_postfix_str(f"{num_done + run.stats.written_sequences - first:,}/{len(items):,} seq",
                                 refresh=False)
             bar.update(sum(m.num_tokens for m in members if m.key not in done))
+    run.stats.pass_s += time.perf_counter() - began
 
 
 def _progress(run: RankRun, items: list[Item], desc: str) -> Any:
@@ -285,9 +304,12 @@ def forward(run: RankRun, part: list[Item]) -> list[Computed]:
     """One target forward over `part` (one batch)."""
     if not part:
         return []
-    began = time.perf_counter()
-    outputs = run.target.forward([m.encoded.input_ids for m in part], [m.name for m in part])
-    run.stats.forward_s += time.perf_counter() - began
+    began, encode_s = time.perf_counter(), run.target.encode_s
+    codec = run.writer.spec.feature_codec
+    outputs = run.target.forward([m.encoded.input_ids for m in part], [m.name for m in part],
+                                 feature_codec=codec if codec in DEVICE_CODECS else None)
+    run.stats.encode_s += run.target.encode_s - encode_s
+    run.stats.forward_s += time.perf_counter() - began - (run.target.encode_s - encode_s)
     return [Computed(item=item, output=output) for item, output in zip(part, outputs)]
 
 
@@ -296,11 +318,26 @@ def write(run: RankRun, result: Computed) -> None:
     item, output = result.item, result.output
     if item.key in run.done:
         return
+    encoded = {"encoded": True, "feature_scales": output.feature_scales} if output.encoded else {}
     run.writer.add(source=item.source, input_ids=item.encoded.input_ids, loss_mask=item.encoded.loss_mask,
-                   features=output.features, topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs)
+                   features=output.features, topk_ids=output.topk_ids, topk_logprobs=output.topk_logprobs,
+                   ready=output.ready, **encoded)
     run.stats.written_sequences += 1
     run.stats.written_tokens += len(item.encoded.input_ids)
     run.stats.truncated += item.encoded.truncated
+
+
+def close_writer(run: RankRun) -> RankStats:
+    """Close this rank's writer (its thread drains first) and return the rank's stats with
+    the writer's times."""
+    began = time.perf_counter()
+    run.writer.close()
+    stats, writer = run.stats, run.writer
+    stats.pass_s += time.perf_counter() - began
+    stats.host_parts_s = dict(sorted(writer.times.seconds.items()))
+    stats.host_s = sum(stats.host_parts_s.values())
+    stats.writer_wait_s = writer.wait_s
+    return stats
 
 
 # ----------------------------------------------------------------------------- regenerate
@@ -398,5 +435,5 @@ def generation_seed(seed: int, round_: int, source: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-__all__ = ["NO_REPLY", "Computed", "Item", "RankRun", "RankStats", "compute", "compute_sample", "forward",
-           "generation_seed", "prepare", "process", "read_items", "regenerate", "reject", "write"]
+__all__ = ["NO_REPLY", "Computed", "Item", "RankRun", "RankStats", "close_writer", "compute", "compute_sample",
+           "forward", "generation_seed", "prepare", "process", "read_items", "regenerate", "reject", "write"]

@@ -60,7 +60,7 @@ from dflash.precompute.basis import fit_or_load_basis
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.data import ChatEncoder
 from dflash.precompute.group import Group
-from dflash.precompute.pipeline import RankRun, RankStats, compute, prepare, read_items, reject
+from dflash.precompute.pipeline import RankRun, RankStats, close_writer, compute, prepare, read_items, reject
 from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
 from dflash.shards.files import write_atomic
@@ -73,7 +73,7 @@ from dflash.shards.spec import BASIS_CODECS
 @dataclass(kw_only=True)
 class PrecomputeSummary(RankStats):
     """What a run did (this run) and what the cache now holds (all runs). The `RankStats`
-    counters are this run's, summed over its ranks; `forward_s` and `generate_s` are rank 0's."""
+    counters are this run's, summed over its ranks; the times (`RankStats.TIMES`) are rank 0's."""
 
     cache_dir: str
     num_sequences: int
@@ -124,7 +124,8 @@ class PrecomputeSummary(RankStats):
         lines.append(f"  bytes/token  {self.bytes_per_token.get('total', 0.0):,.1f} ({columns})")
         lines.append(f"  time         {self.wall_s:,.1f} s on {self.world_size} rank(s); "
                      f"{self.tokens_per_s:,.1f} tokens/s; rank 0: forward {self.forward_s:,.1f} s, "
-                     f"generation {self.generate_s:,.1f} s")
+                     f"generation {self.generate_s:,.1f} s, device encode {self.encode_s:,.1f} s, "
+                     f"host {self.host_s:,.1f} s, waiting on the writer {self.writer_wait_s:,.1f} s")
         return "\n".join(lines)
 
 
@@ -254,7 +255,7 @@ def _run_rank(config: PrecomputeConfig, group: Group, local_rank: int) -> Precom
         items = group.local("reading this rank's records", lambda: read_items(run, run.mine))
         kept = fit_or_load_basis(run, items) if spec.is_basis else {}
         group.step("computing", lambda: compute(run, items, kept))
-        gathered = group.step("closing the shards", lambda: (writer.close(), run.stats)[1])
+        gathered = group.step("closing the shards", lambda: close_writer(run))
     except BaseException:
         writer.abort()
         raise
@@ -289,9 +290,11 @@ def _load(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: i
 def _open_writer(config: PrecomputeConfig, spec: CacheSpec, *, target: Any, rank: int, world_size: int) -> CacheWriter:
     try:
         # On a GPU, encoding and disk writes overlap the next batch's forward; on CPU a
-        # writer thread would only compete with the forward for the same cores.
-        return CacheWriter(config.out, spec, rank=rank, world_size=world_size,
-                           background=target.device.type == "cuda")
+        # writer thread would only compete with the forward for the same cores. At most two
+        # planned batches wait for the writer (bounded host memory: 2 x batch_tokens tokens).
+        background = config.writer_thread == "on" or (config.writer_thread == "auto" and target.device.type == "cuda")
+        return CacheWriter(config.out, spec, rank=rank, world_size=world_size, background=background,
+                           queue_tokens=2 * config.batch_tokens, shard_checksum=config.shard_checksum)
     except ValueError as error:
         raise ValueError(f"{error}; or pass --overwrite to replace the cache") from None
 
@@ -443,8 +446,9 @@ def _summary(config: PrecomputeConfig, cache: Any, *, gathered: list[RankStats],
     with open(cache.rejected_path, encoding="utf-8") as f:
         for line in f:
             rejected[json.loads(line)["reason"]] += 1
-    total = {f.name: sum(getattr(s, f.name) for s in gathered) for f in dataclasses.fields(RankStats)}
-    total.update(forward_s=gathered[0].forward_s, generate_s=gathered[0].generate_s)  # rank 0's times
+    total = {f.name: sum(getattr(s, f.name) for s in gathered) for f in dataclasses.fields(RankStats)
+             if f.name not in RankStats.TIMES}
+    total.update({name: getattr(gathered[0], name) for name in RankStats.TIMES})  # rank 0's times
     return PrecomputeSummary(
         **total, cache_dir=str(config.out), num_sequences=len(cache), num_tokens=manifest["num_tokens"],
         num_loss_tokens=manifest["num_loss_tokens"], rejected=dict(rejected),

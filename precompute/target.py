@@ -10,6 +10,12 @@ the LM head applied to the base model's output reproduces the model's own logits
 checked once at load on a short probe (a model with logit soft-capping or scaling fails
 it); such a model falls back to its own full forward, still with the fp32 work chunked.
 
+Encoding. With `feature_codec` "bf16" or "fp8" on CUDA the features are encoded on the
+device, in the batch (`device_codecs`), and only the stored bytes cross to the host, into
+pinned memory on a side stream; the outputs carry `ready`, which waits for that copy, so the
+caller can hand them on and launch the next forward while the bytes travel. On a CPU the
+writer's numpy encoders are faster than torch's, so features leave the forward raw there.
+
 Batches are right-padded with an attention mask: a sequence's positions attend only to
 earlier real positions and start at position 0, so its values do not depend on its batch
 mates (up to the reduction order of the matmuls). Generation left-pads, as decoding needs.
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.precompute.device_codecs import DEVICE_CODECS, encode_features
 from dflash.shards import TargetInfo, default_layer_ids
 from dflash.shards.files import atomic_dir
 from dflash.shards.fingerprint import target_fingerprint
@@ -33,6 +42,11 @@ from dflash.shards.layout import HEAD_FILE
 
 # fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
 TOPK_CHUNK_BYTES = 2**28
+# Feature values encoded per chunk on the device: bounds the encoder's float32 temporaries.
+ENCODE_CHUNK_VALUES = 2**26
+# Device types whose forward encodes the features. On a CPU the host is the device, and the
+# numpy encoders (run by the writer) are faster than the torch ones (bench/RESULTS.md stage_one).
+ENCODE_ON_DEVICE_TYPES = ("cuda",)
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -45,11 +59,19 @@ class TargetOutput:
     """What the target computed for one sequence of T tokens."""
 
     features: np.ndarray
-    """[T, L, H] float32, or uint16 bf16 bit patterns when the target runs in bf16."""
+    """[T, L, H] float32, or uint16 bf16 bit patterns when the target runs in bf16; when
+    `encoded`, the stored values of the feature codec (int16 bf16 bits, or uint8 fp8 codes)."""
     topk_ids: np.ndarray
     """[T, k] int32: the k most likely next tokens at each position, most likely first."""
     topk_logprobs: np.ndarray
     """[T, k] float32: their full-vocabulary log-probabilities."""
+    encoded: bool = False
+    """The features were encoded on the device (`Target.forward`'s feature_codec)."""
+    feature_scales: np.ndarray | None = None
+    """[T, L] float32: fp8's per-token-layer scales when encoded."""
+    ready: Callable[[], Any] | None = None
+    """Waits until the arrays hold their values (their copy from the device has finished);
+    None when they already do."""
 
 
 @dataclass
@@ -202,6 +224,8 @@ class Target:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.head_path = self._head_reproduces_logits()
+        self.encode_s = 0.0
+        """Seconds spent encoding features on the device (forward with a feature_codec)."""
 
     def _hook(self, layer_id: int):
         def hook(module, args, output):
@@ -224,11 +248,14 @@ class Target:
         return bool(((mine - reference).abs().max() <= 1e-2 * scale).item())
 
     @torch.inference_mode()
-    def forward(self, sequences: list[np.ndarray], names: list[str]) -> list[TargetOutput]:
+    def forward(self, sequences: list[np.ndarray], names: list[str],
+                feature_codec: str | None = None) -> list[TargetOutput]:
         """Features and top-k for each sequence ([T_b] int token ids) of one batch.
 
         `names` label the sequences in errors: a non-finite feature or log-probability
-        raises ValueError naming the sequence.
+        raises ValueError naming the sequence. With `feature_codec` in DEVICE_CODECS, on a
+        device type in ENCODE_ON_DEVICE_TYPES, the features come encoded
+        (TargetOutput.encoded) and `encode_s` holds the seconds the device spent encoding them.
         """
         lengths = [len(s) for s in sequences]
         batch, width = len(sequences), max(lengths)
@@ -274,9 +301,31 @@ class Target:
             row = int((~torch.isfinite(topk_logprobs)).any(1).nonzero()[0])
             raise ValueError(f"{names[_owner(starts, row)]}: non-finite target log-probability at "
                              f"position {row - starts[_owner(starts, row)]}")
+        if feature_codec in DEVICE_CODECS and self.device.type in ENCODE_ON_DEVICE_TYPES:
+            return self._encoded_outputs(features, topk_ids, topk_logprobs, starts, feature_codec)
         features_np = _features_to_numpy(features)
         ids_np, logprobs_np = topk_ids.cpu().numpy(), topk_logprobs.cpu().numpy()
         return [TargetOutput(features=features_np[a:b], topk_ids=ids_np[a:b], topk_logprobs=logprobs_np[a:b])
+                for a, b in zip(starts[:-1], starts[1:])]
+
+    def _encoded_outputs(self, features: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                         starts: np.ndarray, feature_codec: str) -> list[TargetOutput]:
+        """Encode the batch's features on the device ([N, L, H], checked finite) and start the
+        copy of everything to the host; the outputs' `ready` waits for the copy."""
+        began = time.perf_counter()
+        rows = max(1, ENCODE_CHUNK_VALUES // (features.shape[1] * features.shape[2]))
+        chunks = [encode_features(features[lo:lo + rows], feature_codec) for lo in range(0, len(features), rows)]
+        encoded = {name: torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
+                   for name in chunks[0]}
+        encoded.update(topk_ids=topk_ids, topk_logprobs=topk_logprobs)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # times the encode; the GPU is done anyway
+        self.encode_s += time.perf_counter() - began
+        host, ready = to_host(encoded, self.device)
+        scales = host.get("feature_scales")
+        return [TargetOutput(features=host["features"][a:b], topk_ids=host["topk_ids"][a:b],
+                             topk_logprobs=host["topk_logprobs"][a:b], encoded=True,
+                             feature_scales=None if scales is None else scales[a:b], ready=ready)
                 for a, b in zip(starts[:-1], starts[1:])]
 
     @torch.inference_mode()
@@ -418,6 +467,31 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _owner(starts: np.ndarray, row: int) -> int:
     """Index of the sequence holding flattened row `row`."""
     return int(np.searchsorted(starts, row, side="right") - 1)
+
+
+def to_host(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, np.ndarray], Any]:
+    """Numpy copies of `tensors` and a callable that waits until they hold their values. On
+    CUDA the copies go to pinned memory on a side stream (after the work queued so far), so
+    the next forward's kernels need not wait for them; elsewhere they are made here."""
+    if device.type != "cuda":
+        return {name: t.cpu().numpy() for name, t in tensors.items()}, None
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    host = {}
+    with torch.cuda.stream(stream):
+        for name, tensor in tensors.items():
+            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            pinned.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # the allocator keeps the source until the copy is done
+            host[name] = pinned.numpy()  # a view: keeps the pinned block alive as long as it is used
+    done = torch.cuda.Event()
+    done.record(stream)
+    return host, done.synchronize
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device)
 
 
 def _features_to_numpy(features: torch.Tensor) -> np.ndarray:

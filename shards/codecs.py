@@ -151,13 +151,6 @@ def packed_bytes_per_token(top_k: int, vocab_size: int) -> int:
     return (bits + 7) // 8
 
 
-def _field_bits(values: np.ndarray, nbits: int) -> np.ndarray:
-    """[T, n] unsigned ints -> [T, n * nbits] uint8 bits, least significant bit first."""
-    shifts = np.arange(nbits, dtype=np.uint64)
-    bits = (values.astype(np.uint64)[:, :, None] >> shifts) & np.uint64(1)
-    return bits.reshape(values.shape[0], -1).astype(np.uint8)
-
-
 def _chain_bits(i: int) -> int:
     return FIRST_BITS if i == 0 else REST_BITS
 
@@ -197,16 +190,36 @@ def encode_topk_packed(
         share_codes[:, i] = code
         upper = (code + 1) * upper / levels
 
-    bits = np.concatenate(
-        [
-            _field_bits(mass_code[:, None], MASS_BITS),
-            _field_bits(share_codes[:, :1], FIRST_BITS),
-            _field_bits(share_codes[:, 1:], REST_BITS),
-            _field_bits(ids, id_bits(vocab_size)),
-        ],
-        axis=1,
-    )  # [T, total_bits] uint8
-    return np.packbits(bits, axis=1, bitorder="little")
+    fields = np.concatenate([mass_code[:, None], share_codes, ids], axis=1).astype(np.uint64)  # [T, F]
+    return pack_fields(fields, _field_widths(top_k, vocab_size))
+
+
+def _field_widths(top_k: int, vocab_size: int) -> np.ndarray:
+    """[F] bits of each field of the packed layout: tail, shares, ids."""
+    return np.array([MASS_BITS, FIRST_BITS] + [REST_BITS] * (top_k - 1) + [id_bits(vocab_size)] * top_k)
+
+
+def pack_fields(fields: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Pack unsigned fields [T, F] (each < 2**widths[f], at most 64 bits) one after the other,
+    least significant bit first, into uint8 [T, ceil(sum(widths) / 8)].
+
+    Fields are ORed into 64-bit little-endian words: each field's low part into the word its
+    first bit falls in, the part that crosses into the next word (at most one per word
+    boundary) into that one; bits never overlap, so sums are ORs. The bytes are those of
+    `np.packbits(bits, bitorder="little")` over the fields' bits.
+    """
+    widths = np.asarray(widths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]])  # [F]
+    word, shift = offsets >> 6, (offsets & 63).astype(np.uint64)
+    num_words = int((widths.sum() + 63) // 64)
+    values = np.ascontiguousarray(fields, dtype=np.uint64)
+    words = np.zeros((len(values), num_words), dtype=np.uint64)
+    starts = np.flatnonzero(np.diff(word, prepend=-1))  # the first field of each word
+    words[:, word[starts]] = np.add.reduceat(values << shift, starts, axis=1)
+    cross = np.flatnonzero(offsets % 64 + widths > 64)  # fields that run into the next word
+    words[:, word[cross] + 1] += values[:, cross] >> (np.uint64(64) - shift[cross])
+    num_bytes = int((widths.sum() + 7) // 8)
+    return np.ascontiguousarray(words.astype("<u8").view(np.uint8)[:, :num_bytes])
 
 
 @functools.lru_cache(maxsize=16)

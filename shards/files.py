@@ -120,6 +120,34 @@ def publish_readable(folder: Path) -> None:
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+# A shard's checksum in the manifest: the entry's field for each algorithm. sha256 is the
+# default; xxh3-128 (the `xxhash` package) hashes about 7x faster on one core, for producers
+# whose host must keep up with a GPU, and makes the manifest format version 3.
+SHARD_CHECKSUM_FIELDS = {"sha256": "sha256", "xxh3-128": "xxh3_128"}
+
+
+def new_digest(algorithm: str) -> Any:
+    """A fresh hash object of a shard checksum algorithm (a key of SHARD_CHECKSUM_FIELDS)."""
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "xxh3-128":
+        try:
+            import xxhash
+        except ImportError as error:
+            raise ValueError("the xxh3-128 shard checksum needs the xxhash package: pip install xxhash") from error
+        return xxhash.xxh3_128()
+    raise ValueError(f"unknown shard checksum {algorithm!r}; choose one of {sorted(SHARD_CHECKSUM_FIELDS)}")
+
+
+def file_digest(path: str | Path, algorithm: str, chunk_bytes: int = 8 * 2**20) -> str:
+    """The checksum (hex) of the file at `path` with `algorithm`, read in chunks."""
+    digest = new_digest(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def file_sha256(path: str | Path, chunk_bytes: int = 8 * 2**20) -> str:
     """The sha256 of the file at `path` (hex), read in chunks of `chunk_bytes`."""
     digest = hashlib.sha256()

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from dflash.shards import codecs, rows
 from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import file_sha256
+from dflash.shards.files import SHARD_CHECKSUM_FIELDS, file_digest
 from dflash.shards.layout import MANIFEST
 from dflash.shards.spec import CacheSpec, check_format_version
 
@@ -130,6 +130,7 @@ class Cache:
                                  f"is damaged: {check.remedy}")
             for key, kind in _SHARD_FIELDS.items():
                 check.field(entry, key, kind, f"shards[{i}].{key}")
+            shard_checksum(entry, check, i)
         self.shard_paths = [_inside(self.path, s["path"], f"shards[{i}].path") for i, s in enumerate(self.shards)]
         self.target_dir = _inside(self.path, check.field(manifest, "target_dir", str), "target_dir")
         self.rejected_path = _inside(self.path, check.field(manifest, "rejected", str), "rejected")
@@ -319,7 +320,19 @@ class Cache:
 
 
 # Fields a reader relies on, with their JSON types (bool is excluded from int below).
-_SHARD_FIELDS = {"path": str, "sha256": str, "rows_sha256": str, "num_bytes": int, "num_sequences": int}
+_SHARD_FIELDS = {"path": str, "rows_sha256": str, "num_bytes": int, "num_sequences": int}
+
+
+def shard_checksum(entry: dict[str, Any], check: _ManifestFields | None = None, index: int = 0) -> tuple[str, str]:
+    """(algorithm, hex digest) of a manifest shard entry: its sha256 or xxh3_128 field."""
+    for algorithm, key in SHARD_CHECKSUM_FIELDS.items():
+        if key in entry:
+            if check is not None:
+                check.field(entry, key, str, f"shards[{index}].{key}")
+            return algorithm, entry[key]
+    if check is not None:
+        check.field(entry, "sha256", str, f"shards[{index}].sha256")  # names the missing field
+    raise ValueError(f"shard entry {entry.get('path')!r} has no checksum field")
 _SEQUENCE_FIELDS = ("length", "num_loss_tokens", "source_file", "source_index")
 
 
@@ -415,7 +428,7 @@ def open_cache(path: str | Path, *, check_rows: bool = True) -> Cache:
 
 
 def verify_cache(path: str | Path) -> dict[str, Any]:
-    """Recompute every shard's sha256, check its schema and decode every row.
+    """Recompute every shard's checksum (sha256 or xxh3-128), check its schema and decode every row.
 
     Returns {"ok": bool, "problems": [{"shard": path or None, "problem": str}],
     "num_shards": int, "num_sequences": int}.
@@ -432,10 +445,11 @@ def verify_cache(path: str | Path) -> dict[str, Any]:
             problem = f"file is missing (listed in {MANIFEST} shards[{shard}].path)"
             problems.append({"shard": name, "problem": problem})
             continue
-        digest = file_sha256(shard_path)
-        if digest != entry["sha256"]:
+        algorithm, recorded = shard_checksum(entry)
+        digest = file_digest(shard_path, algorithm)
+        if digest != recorded:
             problems.append(
-                {"shard": name, "problem": f"sha256 {digest} does not match the manifest's {entry['sha256']}"}
+                {"shard": name, "problem": f"{algorithm} {digest} does not match the manifest's {recorded}"}
             )
         try:
             cache._reader(shard)

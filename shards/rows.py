@@ -9,9 +9,12 @@ bytes in exactly what it reads, at about 7 GB/s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +150,32 @@ def row_checksum(values: list[np.ndarray]) -> int:
     return crc
 
 
+class PartTimes:
+    """Seconds per part of the host's work on rows: CPU seconds of the working thread
+    (`time.thread_time`), wall seconds for the parts in `WALL_PARTS` (which wait rather than
+    compute). A part timed inside another is not counted in the outer one. One thread at a
+    time: the writer's worker, or the caller when there is none."""
+
+    WALL_PARTS = ("fsync", "copy_wait")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._inner: list[float] = []
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        clock = time.perf_counter if name in self.WALL_PARTS else time.thread_time
+        began = clock()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            elapsed = clock() - began
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - self._inner.pop()
+            if self._inner:
+                self._inner[-1] += elapsed
+
+
 def encode_row(
     spec: CacheSpec,
     *,
@@ -158,41 +187,40 @@ def encode_row(
     tail_mass: np.ndarray,
     source: dict[str, Any],
     basis: Any = None,
+    feature_scales: np.ndarray | None = None,
+    encoded: bool = False,
+    times: PartTimes | None = None,
 ) -> pa.RecordBatch:
     """Encode one validated sequence (see CacheWriter.add for shapes) as a one-row batch.
 
-    Basis codecs project the raw features with `basis` (a FeatureBasis) first.
+    Basis codecs project the raw features with `basis` (a FeatureBasis) first. With
+    `encoded=True` the features (and fp8's feature_scales) are already the stored values
+    (encoded on the target's device, bit for bit what this function would make). `times`
+    gathers the CPU time of the parts: host_encode, topk, crc32 (the row checksum), rows (the rest).
     """
-    if features.dtype == np.uint16:
-        features_f32 = None
-        bf16 = features
-    else:
-        features_f32 = np.asarray(features, dtype=np.float32)
-        bf16 = None
+    times = times if times is not None else PartTimes()
+    with times.part("rows"):
+        return _encode_row(spec, input_ids=input_ids, loss_mask=loss_mask, features=features, topk_ids=topk_ids,
+                           topk_logprobs=topk_logprobs, tail_mass=tail_mass, source=source, basis=basis,
+                           feature_scales=feature_scales, encoded=encoded, times=times)
+
+
+def _encode_row(spec: CacheSpec, *, input_ids: np.ndarray, loss_mask: np.ndarray, features: np.ndarray,
+                topk_ids: np.ndarray, topk_logprobs: np.ndarray, tail_mass: np.ndarray, source: dict[str, Any],
+                basis: Any, feature_scales: np.ndarray | None, encoded: bool, times: PartTimes) -> pa.RecordBatch:
     values: dict[str, np.ndarray] = {
         "input_ids": input_ids.astype(np.int32, copy=False),
         "loss_mask": loss_mask.astype(np.uint8, copy=False),
     }
-    if spec.is_basis:
-        if features_f32 is None:
-            features_f32 = codecs.bf16_to_f32(bf16)
-        coefficients = basis.encode(features_f32)  # [T, r] float32
-        if spec.feature_codec == "basis-bf16":
-            values["features"] = codecs.f32_to_bf16(coefficients)
+    with times.part("host_encode"):
+        values.update(_encoded_features(spec, features, feature_scales, encoded, basis))
+    with times.part("topk"):
+        if spec.topk_codec == "packed":
+            values["topk"] = codecs.encode_topk_packed(topk_ids, topk_logprobs, tail_mass, spec.vocab_size)
         else:
-            values["features"], values["feature_scales"] = codecs.f32_to_fp8(coefficients)
-    elif spec.feature_codec == "bf16":
-        values["features"] = bf16 if bf16 is not None else codecs.f32_to_bf16(features_f32)
-    else:
-        if features_f32 is None:
-            features_f32 = codecs.bf16_to_f32(bf16)
-        values["features"], values["feature_scales"] = codecs.f32_to_fp8(features_f32)
-    if spec.topk_codec == "packed":
-        values["topk"] = codecs.encode_topk_packed(topk_ids, topk_logprobs, tail_mass, spec.vocab_size)
-    else:
-        values["topk_ids"] = topk_ids.astype(np.int32, copy=False)
-        values["topk_logprobs"] = topk_logprobs.astype(np.float32, copy=False)
-        values["tail_mass"] = tail_mass.astype(np.float32, copy=False)
+            values["topk_ids"] = topk_ids.astype(np.int32, copy=False)
+            values["topk_logprobs"] = topk_logprobs.astype(np.float32, copy=False)
+            values["tail_mass"] = tail_mass.astype(np.float32, copy=False)
 
     schema = shard_schema(spec)
     ordered = [np.ascontiguousarray(values[name]).reshape(-1) for name, _ in list_columns(spec)]
@@ -205,8 +233,40 @@ def encode_row(
     for flat, (_, dtype) in zip(ordered, list_columns(spec)):
         offsets = _array(np.array([0, flat.size], np.int64), pa.int64())
         arrays.append(pa.LargeListArray.from_arrays(offsets, _array(flat, dtype)))
-    arrays.append(_array(np.array([row_checksum(ordered)], np.uint32), pa.uint32()))
+    with times.part("crc32"):
+        checksum = row_checksum(ordered)
+    arrays.append(_array(np.array([checksum], np.uint32), pa.uint32()))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _encoded_features(spec: CacheSpec, features: np.ndarray, feature_scales: np.ndarray | None, encoded: bool,
+                      basis: Any) -> dict[str, np.ndarray]:
+    """The stored feature columns ("features", and "feature_scales" for the fp8 codecs)."""
+    if encoded:
+        stored = {"features": features.view(np.uint16) if features.dtype == np.int16 else features}
+        if feature_scales is not None:
+            stored["feature_scales"] = feature_scales
+        return stored
+    if features.dtype == np.uint16:
+        features_f32 = None
+        bf16 = features
+    else:
+        features_f32 = np.asarray(features, dtype=np.float32)
+        bf16 = None
+    if spec.is_basis:
+        if features_f32 is None:
+            features_f32 = codecs.bf16_to_f32(bf16)
+        coefficients = basis.encode(features_f32)  # [T, r] float32
+        if spec.feature_codec == "basis-bf16":
+            return {"features": codecs.f32_to_bf16(coefficients)}
+        codes, scales = codecs.f32_to_fp8(coefficients)
+        return {"features": codes, "feature_scales": scales}
+    if spec.feature_codec == "bf16":
+        return {"features": bf16 if bf16 is not None else codecs.f32_to_bf16(features_f32)}
+    if features_f32 is None:
+        features_f32 = codecs.bf16_to_f32(bf16)
+    codes, scales = codecs.f32_to_fp8(features_f32)
+    return {"features": codes, "feature_scales": scales}
 
 
 @dataclass

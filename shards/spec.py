@@ -15,9 +15,12 @@ from typing import Any, Literal, get_args
 
 # Version 1: the layout in FORMAT.md. Version 2 adds the basis feature codecs (coefficients
 # in the rows, the basis in feature_basis.safetensors); caches of the version-1 codecs are
-# still written as version 1, byte for byte as before. Readers accept the READ_VERSIONS.
+# still written as version 1, byte for byte as before. Version 3 is a manifest only: some
+# shard's checksum is xxh3-128 (field xxh3_128) instead of sha256; its shards are the same
+# bytes as in a version 1 or 2 cache and keep their own version. Readers accept the READ_VERSIONS.
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+XXH3_MANIFEST_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 
 # The codecs' names, spelled once: config fields take the Literal types (a flag's choices),
 # the tuples serve the checks of a spec read from disk.

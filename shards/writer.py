@@ -7,19 +7,30 @@ writer therefore leaves only temporaries and unrecorded files, which the next wr
 rank deletes before it continues. Shard boundaries depend on the row stream alone (rows and
 encoded bytes per shard), so a resumed run writes byte-identical shards.
 
-Writes happen in the caller's thread unless `background=True`, in which case encoding and
-disk I/O run in one worker thread behind a small queue, and the worker's exception is
-raised in the caller at its next `add`, `reject` or `close`.
+Writes happen in the caller's thread unless `background=True`, in which case validation,
+encoding, checksums and disk I/O run in one worker thread, and the worker's exception is
+raised in the caller at its next `add`, `reject` or `close`. The rows waiting for the worker
+hold at most `queue_tokens` tokens (one row more when a single row is larger): `add`
+blocks beyond that, and `wait_s` counts how long the caller waited on the worker. Rows are
+written in the order they were added, so the shards are the same bytes either way. A row
+may come with `ready`, a callable the worker calls before it reads the row's arrays (the
+end of their copy from a device): the caller hands over rows whose bytes are still in
+flight. `times` holds the seconds of each part of the work (`rows.PartTimes`).
+
+Each shard's checksum (`shard_checksum`: sha256, or xxh3-128, which makes the manifest
+version 3) is computed as its bytes are written (`_HashingFile`), not by reading the file back.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
-import queue
 import re
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +39,14 @@ import pyarrow as pa
 
 from dflash.shards import rows
 from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import file_sha256, fsync_dir, write_atomic, write_json_atomic
+from dflash.shards.files import (
+    SHARD_CHECKSUM_FIELDS,
+    file_sha256,
+    fsync_dir,
+    new_digest,
+    write_atomic,
+    write_json_atomic,
+)
 from dflash.shards.layout import (
     BASIS_FILE,
     MANIFEST,
@@ -41,7 +59,8 @@ from dflash.shards.layout import (
     spec_name,
 )
 from dflash.shards.reader import Cache, open_cache
-from dflash.shards.spec import CacheSpec
+from dflash.shards.rows import PartTimes
+from dflash.shards.spec import XXH3_MANIFEST_VERSION, CacheSpec
 
 # Log-probs may exceed 0 and the top-k mass 1 by float rounding of the producer's softmax.
 _LOGPROB_SLACK = 1e-3
@@ -73,10 +92,15 @@ def validate_row(
     topk_ids: Any,
     topk_logprobs: Any,
     tail_mass: Any = None,
+    feature_scales: Any = None,
+    encoded: bool = False,
 ) -> dict[str, np.ndarray]:
     """Check one row against the spec; return it as numpy arrays (tail_mass filled in).
 
-    Raises ValueError naming the source record and what is wrong.
+    With `encoded=True` the features are the stored values already (`CacheWriter.add`):
+    their shape and dtype are checked, and fp8's scales, but not the values, whose
+    finiteness the producer checked before encoding. Raises ValueError naming the source
+    record and what is wrong.
     """
     where = f"row from {source['file']} record {source['index']}"
     input_ids, loss_mask = np.asarray(input_ids), np.asarray(loss_mask)
@@ -86,7 +110,12 @@ def validate_row(
         if not np.issubdtype(loss_mask.dtype, np.integer) or not np.isin(loss_mask, (0, 1)).all():
             _fail(where, f"loss_mask must be bool (or 0/1 integers), got dtype {loss_mask.dtype}")
         loss_mask = loss_mask.astype(bool)
-    features = _checked_features(spec, where, features)
+    if encoded:
+        feature_scales = _checked_encoded(spec, where, features, feature_scales)
+    elif feature_scales is not None:
+        _fail(where, "feature_scales come with encoded features only (encoded=True)")
+    else:
+        features = _checked_features(spec, where, features)
     mass = _topk_mass(spec, where, topk_ids, topk_logprobs)
     if tail_mass is None:
         tail_mass = np.maximum(0.0, 1.0 - mass).astype(np.float32)
@@ -96,7 +125,7 @@ def validate_row(
             _fail(where, f"tail_mass has shape {tail_mass.shape}, expected ({input_ids.size},)")
         if not (np.isfinite(tail_mass).all() and tail_mass.min() >= 0 and tail_mass.max() <= 1):
             _fail(where, "tail_mass must be finite and in [0, 1]")
-    return {
+    row = {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "features": features,
@@ -104,6 +133,9 @@ def validate_row(
         "topk_logprobs": topk_logprobs,
         "tail_mass": tail_mass,
     }
+    if encoded:
+        row.update(encoded=True, feature_scales=feature_scales)
+    return row
 
 
 def _fail(where: str, message: str) -> None:
@@ -155,6 +187,30 @@ def _checked_features(spec: CacheSpec, where: str, features: np.ndarray) -> np.n
     return features
 
 
+# The stored dtype of encoded features per codec (bf16 bits may come as int16: torch has no uint16 numpy).
+_ENCODED_DTYPES = {"bf16": (np.uint16, np.int16), "fp8": (np.uint8,)}
+
+
+def _checked_encoded(spec: CacheSpec, where: str, features: np.ndarray, feature_scales: Any) -> np.ndarray | None:
+    """Encoded features' dtype, and fp8's scales: [T, L] float32, finite and positive."""
+    if spec.feature_codec not in _ENCODED_DTYPES:
+        _fail(where, f"feature_codec {spec.feature_codec!r} takes raw features, not encoded ones")
+    if features.dtype not in _ENCODED_DTYPES[spec.feature_codec]:
+        _fail(where, f"encoded {spec.feature_codec} features must have dtype "
+                     f"{' or '.join(np.dtype(d).name for d in _ENCODED_DTYPES[spec.feature_codec])}, "
+                     f"got {features.dtype}")
+    if spec.feature_codec != "fp8":
+        if feature_scales is not None:
+            _fail(where, f"feature_codec {spec.feature_codec!r} has no feature_scales")
+        return None
+    scales = np.asarray(feature_scales)
+    if scales.shape != features.shape[:2] or scales.dtype != np.float32:
+        _fail(where, f"feature_scales must be [T, L] = {features.shape[:2]} float32, got {scales.shape} {scales.dtype}")
+    if not (np.isfinite(scales).all() and scales.min() > 0):
+        _fail(where, "feature_scales must be finite and positive")
+    return scales
+
+
 def _topk_mass(spec: CacheSpec, where: str, topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> np.ndarray:
     """[T] float64 probability mass of each position's top-k, after checking that the top-k are
     finite, normalised log-probabilities of distinct ids."""
@@ -203,8 +259,9 @@ class CacheWriter:
         world_size: int = 1,
         *,
         background: bool = False,
-        queue_rows: int = 2,
+        queue_tokens: int = 1 << 16,
         basis: FeatureBasis | None = None,
+        shard_checksum: str = "sha256",
     ):
         if basis is not None and not spec.is_basis:
             raise ValueError(f"feature_codec {spec.feature_codec!r} stores raw features: pass no basis")
@@ -214,6 +271,8 @@ class CacheWriter:
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         self.cache_dir = Path(cache_dir)
         self.spec = spec
+        new_digest(shard_checksum)  # refuses an unknown algorithm (or a missing xxhash) now
+        self.shard_checksum = shard_checksum
         self.rank = rank
         self.world_size = world_size
         self.shards_dir = self.cache_dir / SHARDS_DIR
@@ -222,18 +281,26 @@ class CacheWriter:
         self._check_layout()
         self._num_shards, self.done_sources, self._pending_rejects = self._recover()
         self._open_sources: set[tuple[str, int]] = set()
-        self._sink: pa.NativeFile | None = None
+        self._sink: _HashingFile | None = None
         self._arrow: pa.ipc.RecordBatchFileWriter | None = None
         self._shard_rows: list[dict[str, Any]] = []
         self._shard_bytes = 0
         self._closed = False
         self._error: BaseException | None = None
-        self._queue: queue.Queue | None = None
+        self.times = PartTimes()
+        """Seconds per part of the writing work (validate, copy_wait, host_encode, topk, crc32,
+        rows, write, shard_checksum, fsync), in the worker thread or the caller's."""
+        self.wait_s = 0.0
+        """Wall seconds the caller waited on the worker thread (a full queue, the drain at close)."""
+        self._queue: collections.deque | None = None
+        self._queue_tokens = queue_tokens
+        self._pending_tokens = 0
+        self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         if basis is not None:
             self.use_basis(basis)
         if background:
-            self._queue = queue.Queue(maxsize=queue_rows)
+            self._queue = collections.deque()
             self._thread = threading.Thread(target=self._worker, name=f"CacheWriter-{rank}", daemon=True)
             self._thread.start()
 
@@ -326,26 +393,41 @@ class CacheWriter:
 
     # ------------------------------------------------------------------ public API
 
-    def add(self, *, source: dict[str, Any], tail_mass: Any = None, **arrays: Any) -> None:
+    def add(self, *, source: dict[str, Any], tail_mass: Any = None, ready: Callable[[], Any] | None = None,
+            **arrays: Any) -> None:
         """Validate and append one sequence (see FORMAT.md for shapes); ValueError names `source`.
 
-        With background=True the arrays are encoded later in the worker thread: do not modify
-        them after the call.
+        `features` are raw (float, or uint16 bf16 bits), or with `encoded=True` the stored
+        values of the spec's codec (bf16 bits, or fp8 codes with `feature_scales` [T, L]
+        float32), as `dflash.precompute.device_codecs` makes them. With background=True the
+        row is validated and encoded later in the worker thread (after `ready()`, when given):
+        do not modify the arrays after the call; a bad row's ValueError is raised at the next
+        call.
         """
         self._raise_pending()
         key = self._claim(source)
         if self.spec.is_basis and self.basis is None:
             raise ValueError(f"feature_codec {self.spec.feature_codec!r}: call use_basis(basis) before add")
-        row = validate_row(self.spec, source, tail_mass=tail_mass, **arrays)
+        named = {"file": key[0], "index": key[1]}
+        if self._queue is None:
+            if ready is not None:
+                with self.times.part("copy_wait"):
+                    ready()
+            with self.times.part("validate"):
+                arrays = validate_row(self.spec, source, tail_mass=tail_mass, **arrays)
+            self._open_sources.add(key)
+            self._handle(("row", arrays, named))
+            return
         self._open_sources.add(key)
-        self._submit(("row", row, {"file": key[0], "index": key[1]}))
+        self._submit(("row", {**arrays, "tail_mass": tail_mass, "ready": ready}, named),
+                     tokens=len(arrays["input_ids"]))
 
     def reject(self, *, source: dict[str, Any], reason: str) -> None:
         """Record an input that was not used; it is listed in rejected.jsonl with `reason`."""
         self._raise_pending()
         key = self._claim(source)
         self._open_sources.add(key)
-        self._submit(("reject", {"file": key[0], "index": key[1], "reason": str(reason)}, None))
+        self._submit(("reject", {"file": key[0], "index": key[1], "reason": str(reason)}, None), tokens=0)
 
     def close(self) -> None:
         """Flush the open shard and pending rejects, then mark this rank complete."""
@@ -369,8 +451,13 @@ class CacheWriter:
         """Mark the writer closed and let the background thread (if any) drain and exit."""
         self._closed = True
         if self._thread is not None:
-            self._queue.put(None)
+            began = time.perf_counter()
+            with self._changed:
+                self._queue.append(None)
+                self._changed.notify_all()
             self._thread.join()
+            self._thread = None
+            self.wait_s += time.perf_counter() - began
 
     def abort(self) -> None:
         """Stop without marking the rank complete; the open shard's temporary is deleted."""
@@ -411,41 +498,70 @@ class CacheWriter:
             self._closed = True
             raise error
 
-    def _submit(self, item: tuple) -> None:
+    def _submit(self, item: tuple, *, tokens: int) -> None:
+        """Queue `item` for the worker (or handle it here without one), waiting while the
+        queue holds more than `queue_tokens` tokens."""
         if self._queue is None:
             self._handle(item)
             return
-        while True:
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                # The worker may have died with a full queue: surface its error, do not hang.
-                self._raise_pending()
+        with self._changed:
+            if self._pending_tokens and self._pending_tokens + tokens > self._queue_tokens:
+                began = time.perf_counter()
+                while self._pending_tokens and self._pending_tokens + tokens > self._queue_tokens:
+                    if self._error is not None:  # the worker failed: surface its error, do not hang
+                        break
+                    self._changed.wait()
+                self.wait_s += time.perf_counter() - began
+            self._raise_pending()
+            self._queue.append((item, tokens))
+            self._pending_tokens += tokens
+            self._changed.notify_all()
 
     def _worker(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drain after a failure; the caller raises on its next call
-            try:
-                self._handle(item)
-            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
-                if hasattr(error, "add_note"):  # Python >= 3.11
-                    error.add_note(f"raised in the background thread of CacheWriter(rank={self.rank})")
-                self._error = error
+        while True:
+            with self._changed:
+                while not self._queue:
+                    self._changed.wait()
+                entry = self._queue.popleft()
+            if entry is None:
+                return
+            item, tokens = entry
+            if self._error is None:  # after a failure only drain; the caller raises on its next call
+                try:
+                    self._handle_queued(item)
+                except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                    if hasattr(error, "add_note"):  # Python >= 3.11
+                        error.add_note(f"raised in the background thread of CacheWriter(rank={self.rank})")
+                    self._error = error
+            with self._changed:
+                self._pending_tokens -= tokens
+                self._changed.notify_all()
+
+    def _handle_queued(self, item: tuple) -> None:
+        """A queued item in the worker: a row is validated here (after its copy is ready)."""
+        kind, payload, source = item
+        if kind == "row":
+            ready = payload.pop("ready")
+            if ready is not None:
+                with self.times.part("copy_wait"):
+                    ready()
+            with self.times.part("validate"):
+                payload = validate_row(self.spec, source, **payload)
+        self._handle((kind, payload, source))
 
     def _handle(self, item: tuple) -> None:
         kind, payload, source = item
         if kind == "reject":
             self._pending_rejects.append(payload)
             return
-        batch = rows.encode_row(self.spec, source=source, basis=self.basis, **payload)
+        batch = rows.encode_row(self.spec, source=source, basis=self.basis, times=self.times, **payload)
         if self._arrow is None:
-            self._sink = pa.OSFile(str(self._tmp_path()), "wb")
+            self._sink = _HashingFile(self._tmp_path(), self.times, self.shard_checksum)
             self._arrow = pa.ipc.new_file(
-                self._sink, self._schema, options=pa.ipc.IpcWriteOptions(compression=None)
+                pa.PythonFile(self._sink, mode="w"), self._schema, options=pa.ipc.IpcWriteOptions(compression=None)
             )
-        self._arrow.write_batch(batch)
+        with self.times.part("write"):
+            self._arrow.write_batch(batch)
         self._shard_bytes += batch.nbytes
         self._shard_rows.append(
             {
@@ -466,13 +582,15 @@ class CacheWriter:
         """Seal the open shard: footer, fsync, rename, fsync dir, then its record."""
         if self._arrow is None:
             return
-        self._arrow.close()
-        os.fsync(self._sink.fileno())
+        with self.times.part("write"):
+            self._arrow.close()
+        with self.times.part("fsync"):
+            os.fsync(self._sink.fileno())
         self._sink.close()
+        digest = self._sink.digest.hexdigest()
         self._arrow = self._sink = None
         tmp = self._tmp_path()
         final = self.shards_dir / shard_name(self.rank, self._num_shards)
-        digest = file_sha256(tmp)
         # The directory is fsynced once, by the record's atomic write below: a crash before
         # that leaves a shard without a record (or neither), which the next writer deletes.
         os.replace(tmp, final)
@@ -486,7 +604,7 @@ class CacheWriter:
             "world_size": self.world_size,
             "shard": self._num_shards,
             "path": f"{SHARDS_DIR}/{final.name}",
-            "sha256": digest,
+            SHARD_CHECKSUM_FIELDS[self.shard_checksum]: digest,
             "rows_sha256": rows.shard_rows_sha256(
                 self.spec, f"{SHARDS_DIR}/{final.name}",
                 [r["source"]["file"] for r in self._shard_rows], [r["source"]["index"] for r in self._shard_rows],
@@ -513,6 +631,45 @@ class CacheWriter:
         self._pending_rejects = []
 
 
+class _HashingFile:
+    """A shard's temporary file, written through Arrow's `PythonFile`, that feeds every byte
+    it writes to the shard's checksum (what the manifest records), so the file is never read
+    back. hashlib and xxhash release the GIL on large updates: the caller's thread keeps running."""
+
+    def __init__(self, path: Path, times: PartTimes, algorithm: str):
+        self._file = open(path, "wb", buffering=0)
+        self._times = times
+        self._position = 0
+        self.digest = new_digest(algorithm)
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        with self._times.part("shard_checksum"):
+            self.digest.update(view)
+        while view:
+            view = view[self._file.write(view):]
+        self._position += size
+        return size
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+        self.closed = True
+
+
 def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int) -> Cache:
     """Merge every rank's records into rejected.jsonl and manifest.json (written last,
     atomically); returns the opened Cache. Call on one process after all writers closed."""
@@ -533,9 +690,10 @@ def finalize_cache(cache_dir: str | Path, spec: CacheSpec, world_size: int) -> C
     for shard in shards:
         for name, size in shard["column_bytes"].items():
             column_bytes[name] = column_bytes.get(name, 0) + size
+    xxh3 = any(SHARD_CHECKSUM_FIELDS["xxh3-128"] in shard for shard in shards)
     manifest = {
         "format": "dflash-cache",
-        "format_version": spec.format_version,
+        "format_version": XXH3_MANIFEST_VERSION if xxh3 else spec.format_version,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "spec": spec.to_dict(),
         "world_size": world_size,
@@ -603,7 +761,8 @@ def _gather_ranks(cache_dir: Path, spec: CacheSpec, world_size: int) -> tuple[li
             for key in sequences:
                 sequences[key] += record["sequences"][key]
             shards.append({key: record[key] for key in (
-                "path", "rank", "sha256", "rows_sha256", "num_bytes", "num_sequences", "num_tokens", "column_bytes")})
+                "path", "rank", *SHARD_CHECKSUM_FIELDS.values(), "rows_sha256", "num_bytes", "num_sequences",
+                "num_tokens", "column_bytes") if key in record})
     return shards, rejects, sequences
 
 

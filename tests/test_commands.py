@@ -157,7 +157,8 @@ def test_a_bad_choice_from_python_is_refused_with_the_choices(name, owner, spec,
 def test_the_fields_a_resume_may_change():
     # Pinned: stage one stores the other options in the cache's spec, so a change here makes
     # existing caches refuse to resume; stage two compares the others with RUN/config.json.
-    assert resumable(PrecomputeConfig) == {"progress", "overwrite", "nproc", "dist_timeout_s"}
+    assert resumable(PrecomputeConfig) == {"progress", "overwrite", "nproc", "dist_timeout_s", "writer_thread",
+                                           "shard_checksum"}
     assert RESUMABLE_CHANGES == resumable(FitConfig) == {
         "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "wandb", "wandb_project",
         "max_consecutive_skips", "attention", "save_initial", "parallel", "init_from"}

@@ -135,9 +135,9 @@ def test_the_forward_budget_splits_batches_without_changing_the_cache(targets, d
     shapes = []
     forward = Target.forward
 
-    def recording(self, sequences, names):
+    def recording(self, sequences, names, **options):
         shapes.append((len(sequences), max(len(s) for s in sequences)))
-        return forward(self, sequences, names)
+        return forward(self, sequences, names, **options)
 
     monkeypatch.setattr(Target, "forward", recording)
     options = dict(regenerate=regenerate, max_new_tokens=6, batch_tokens=300)

@@ -72,9 +72,9 @@ def test_basis_fit_runs_each_record_through_the_target_once(target, tmp_path, mo
     calls: Counter[str] = Counter()
     forward = Target.forward
 
-    def counting(self, sequences, names):
+    def counting(self, sequences, names, **options):
         calls.update(names)
-        return forward(self, sequences, names)
+        return forward(self, sequences, names, **options)
 
     monkeypatch.setattr(Target, "forward", counting)
     summary = run_precompute(config(target, data, tmp_path / "cache", regenerate=regenerate, max_new_tokens=6,

@@ -110,3 +110,27 @@ def test_packed_topk_tail_extremes(tail, expected):
 def test_topk_codec_kl_raw_is_zero(rng):
     ids, logprobs = zipf_topk(rng, 8, 1000, 4)
     assert topk_codec_kl(ids, logprobs, codec="raw") == 0.0
+
+
+def _packbits_reference(fields: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The fields' bits, least significant first, one after the other, through np.packbits."""
+    bits = [((fields[:, f:f + 1].astype(np.uint64) >> np.arange(w, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+            for f, w in enumerate(widths)]
+    return np.packbits(np.concatenate(bits, axis=1), axis=1, bitorder="little")
+
+
+@pytest.mark.parametrize("top_k, vocab_size", [(32, 151_936), (1, 2), (8, 64), (5, 49_152), (64, 2**20)])
+@pytest.mark.parametrize("values", ["random", "all ones", "zeros"])
+def test_pack_fields_matches_packbits(top_k, vocab_size, values):
+    widths = codecs._field_widths(top_k, vocab_size)
+    limits = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)  # [F] largest value of each field
+    rng = np.random.default_rng(top_k)
+    if values == "random":
+        fields = rng.integers(0, 2**63, (37, len(widths)), dtype=np.uint64) & limits
+    elif values == "all ones":
+        fields = np.broadcast_to(limits, (37, len(widths))).copy()
+    else:
+        fields = np.zeros((37, len(widths)), np.uint64)
+    packed = codecs.pack_fields(fields, widths)
+    assert packed.shape == (37, codecs.packed_bytes_per_token(top_k, vocab_size))
+    np.testing.assert_array_equal(packed, _packbits_reference(fields, widths))
