@@ -52,10 +52,11 @@ class RawSequence:
     features: np.ndarray  # [T, L, H] view (basis codecs: [T, 1, r]): uint16 bf16 bits, or uint8 e4m3 codes
     feature_scales: np.ndarray | None  # [T, L] (basis-fp8: [T, 1]) float32 view: value = e4m3 * scale; else None
     feature_codec: str  # spec.feature_codec
-    topk_ids: np.ndarray  # [T, k] int32, decoded
-    topk_logprobs: np.ndarray  # [T, k] float32, decoded
-    tail_mass: np.ndarray  # [T] float32, decoded
+    topk_ids: np.ndarray | None  # [T, k] int32, decoded (None: raw(i, decode_topk=False) of a packed row)
+    topk_logprobs: np.ndarray | None  # [T, k] float32, decoded (None as topk_ids)
+    tail_mass: np.ndarray | None  # [T] float32, decoded (None as topk_ids)
     source: dict[str, Any]
+    topk_packed: np.ndarray | None = None  # [T, bytes] uint8 view of the packed codec's rows; else None
 
 
 def _inside(root: Path, relative: Any, field: str) -> Path:
@@ -215,7 +216,14 @@ class Cache:
             source=raw.source,
         )
 
-    def raw(self, i: int) -> RawSequence:
+    def raw(self, i: int, *, decode_topk: bool = True) -> RawSequence:
+        """Sequence i with its big columns as views of the mapping (checked when check_rows).
+
+        decode_topk=False leaves a packed top-k undecoded (`topk_packed`; the decoded fields
+        None), for a reader that needs a few positions of it: decoding is per position, so
+        `codecs.decode_topk_packed(raw.topk_packed[positions], ...)` equals the full decode
+        at those positions.
+        """
         i, shard, row = self._shard_row(i)
         path = self.shard_paths[shard]
         spec = self.spec
@@ -234,7 +242,11 @@ class Cache:
             )
         num_tokens, k = columns.num_tokens, spec.top_k
         values = columns.values
-        if spec.topk_codec == "packed":
+        topk_packed = None
+        if spec.topk_codec == "packed" and not decode_topk:
+            topk_packed = values["topk"].reshape(num_tokens, -1)
+            topk_ids = topk_logprobs = tail_mass = None
+        elif spec.topk_codec == "packed":
             topk = values["topk"].reshape(num_tokens, -1)
             topk_ids, topk_logprobs, tail_mass = codecs.decode_topk_packed(topk, k, spec.vocab_size)
         else:
@@ -252,6 +264,7 @@ class Cache:
             topk_logprobs=topk_logprobs,
             tail_mass=tail_mass,
             source=columns.source,
+            topk_packed=topk_packed,
         )
 
     def loss_mask(self, i: int) -> np.ndarray:

@@ -30,7 +30,7 @@ class HandCache:
 
     def __init__(self, loss_masks: list[np.ndarray]):
         self.path = "hand"
-        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", vocab_size=V,
+        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", feature_shape=(L, H), vocab_size=V,
                                     layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
                                     identity=lambda: {"hand": True})
         self.rows = []
@@ -43,13 +43,13 @@ class HandCache:
                 input_ids=np.arange(T, dtype=np.int32) + 10 * i, loss_mask=mask, features=bits,
                 topk_ids=topk_ids.astype(np.int32),
                 topk_logprobs=np.log(np.tile([[0.7, 0.2, 0.05]], (T, 1))).astype(np.float32),
-                tail_mass=np.full(T, 0.05, np.float32)))
+                tail_mass=np.full(T, 0.05, np.float32), topk_packed=None))
         self.lengths = np.array([m.shape[0] for m in loss_masks], dtype=np.int64)
 
     def __len__(self):
         return len(self.rows)
 
-    def raw(self, i):
+    def raw(self, i, decode_topk=True):
         return self.rows[i]
 
     def loss_mask(self, i):
