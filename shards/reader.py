@@ -95,7 +95,8 @@ class Cache:
     processes may inherit one; the mappings are read-only.
     """
 
-    def __init__(self, path: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
+    def __init__(self, path: str | Path, *, check_rows: bool = True, check_once: bool = False,
+                 max_open_shards: int = 64):
         self.path = Path(path)  # the cache directory, as given (not resolved)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
@@ -169,6 +170,10 @@ class Cache:
                                               "feature_basis.path")
             self.feature_basis_entry = entry
         self.check_rows = check_rows
+        # check_once: a row whose crc32 passed is not checked again by this Cache (a trainer
+        # reads every row once an epoch; the mapping is read-only and shards are never
+        # rewritten in place). [N] bool, one byte per sequence.
+        self._checked = np.zeros(len(self.lengths), dtype=bool) if check_rows and check_once else None
         self._max_open = max_open_shards
         self._open: OrderedDict[int, pa.ipc.RecordBatchFileReader] = OrderedDict()
 
@@ -229,7 +234,8 @@ class Cache:
         spec = self.spec
         try:
             batch = self._reader(shard).get_batch(row)
-            columns = rows.read_row(batch, spec, check=self.check_rows)
+            check = self.check_rows and not (self._checked is not None and self._checked[i])
+            columns = rows.read_row(batch, spec, check=check)
         except (pa.ArrowException, ValueError, OSError) as error:
             raise ValueError(
                 f"{path}: cannot read row {row} (sequence {i}): {error}; the shard is damaged, "
@@ -240,6 +246,8 @@ class Cache:
                 f"{path}: row {row} holds {columns.source} with {columns.num_tokens} tokens, the "
                 f"manifest lists {self.source(i)} with {self.lengths[i]}; the cache is inconsistent"
             )
+        if check and self._checked is not None:
+            self._checked[i] = True
         num_tokens, k = columns.num_tokens, spec.top_k
         values = columns.values
         topk_packed = None
@@ -419,12 +427,13 @@ def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -
     return reader
 
 
-def open_cache(path: str | Path, *, check_rows: bool = True) -> Cache:
+def open_cache(path: str | Path, *, check_rows: bool = True, check_once: bool = False) -> Cache:
     """Open a finalized cache; only manifest.json is read until a row is asked for.
 
-    check_rows verifies each row's crc32 as it is read (about 7 GB/s of stored bytes).
+    check_rows verifies each row's crc32 as it is read (zlib: 2 to 7 GB/s of stored bytes,
+    by machine); check_once only the first time this Cache reads the row.
     """
-    return Cache(path, check_rows=check_rows)
+    return Cache(path, check_rows=check_rows, check_once=check_once)
 
 
 def verify_cache(path: str | Path) -> dict[str, Any]:

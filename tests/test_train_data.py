@@ -30,8 +30,8 @@ class HandCache:
 
     def __init__(self, loss_masks: list[np.ndarray]):
         self.path = "hand"
-        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", feature_shape=(L, H), vocab_size=V,
-                                    layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
+        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", feature_shape=(L, H),
+                                    vocab_size=V, layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
                                     identity=lambda: {"hand": True})
         self.rows = []
         for i, mask in enumerate(loss_masks):

@@ -497,8 +497,10 @@ def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anc
         label_at = anchors[blocks] + ks - 1  # [m] positions a+k-1
         out["label_rows"][n0:n0 + m] = q0 + blocks * B + ks
         out["label_positions"][n0:n0 + m] = ks
-        if raw.topk_packed is not None:
-            topk_ids, topk_logprobs, _ = codecs.decode_topk_packed(raw.topk_packed[label_at], k, spec.vocab_size)
+        if raw.topk_packed is not None:  # decode each labelled position once (blocks overlap)
+            positions, inverse = np.unique(label_at, return_inverse=True)
+            topk_ids, topk_logprobs, _ = codecs.decode_topk_packed(raw.topk_packed[positions], k, spec.vocab_size)
+            topk_ids, topk_logprobs = topk_ids[inverse], topk_logprobs[inverse]
         else:
             topk_ids, topk_logprobs = np.asarray(raw.topk_ids)[label_at], np.asarray(raw.topk_logprobs)[label_at]
         out["topk_ids"][n0:n0 + m] = topk_ids

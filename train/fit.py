@@ -297,7 +297,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     # Row checks on: every row's crc32 (zlib, about 7 GB/s) is verified as it is read, so a
     # flipped bit in the cache is an error naming the shard, never trained on. It costs a small
     # fraction of the data time, itself far under 1% of a step (bench/train_step.py).
-    caches = [open_cache(path, check_rows=True) for path in config.cache]
+    caches = [open_cache(path, check_rows=True, check_once=True) for path in config.cache]
     fingerprint, warnings = caches_fingerprint(caches)  # refuses caches of different targets
     # The first start counts every sequence's anchors, split over the ranks; a resume reads the
     # index rank 0 stored then.
