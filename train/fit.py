@@ -4,13 +4,16 @@ logger), and `_train`, the loop, reads top to bottom.
 Each step: run the drafter over all blocks of this rank's batch at once, take the sparse
 KL (or CE) of the labelled block positions through the frozen LM head without forming
 logits, backpropagate; then read the next step's batch (the plan's segments for that step,
-a pure function of epoch and step, copied out of the memory-mapped shards) while the device
-still works through this step's kernels; reduce the figures over ranks, let the spike gate
-decide, step (or skip), every `checkpoint_every` steps take a host snapshot, log, and then
-hand the snapshot to the background writer (after the log line: see `_train`). There is
-nothing running beside the loop except that writer: the read-ahead is one batch, done by
-the loop itself. `data_time_s` is the time a step spent reading rows (the next step's; the
-first step also reads its own).
+a pure function of epoch and step, copied out of the memory-mapped shards into a pinned
+buffer, its copy to the device started on a side stream: train/data.py's BatchFeed) while
+the device still works through this step's kernels; reduce the figures over ranks, let the
+spike gate decide, step (or skip), every `checkpoint_every` steps snapshot the state (a
+device-side copy: train/checkpoint.py), log, and then hand the snapshot to the background
+writer (after the log line: see `_train`). There is nothing running beside the loop except
+that writer: the read-ahead is one batch, done by the loop itself. `data_time_s` is the
+host's time reading rows in a step (the next step's; the first step also reads its own);
+`gpu_data_wait_s` the time the device sat idle for them (CUDA events: during the read, and
+waiting for the copy; None on a CPU).
 
 Distributed: launched by `torchrun`, one process per device; DDP averages gradients (or
 FSDP2 shards the drafter, its gradients and optimizer state: `--parallel`, train/parallel.py). Each
@@ -253,6 +256,8 @@ def _train(run: Run) -> None:
 
         reason = run.gate.reason_to_skip(loss, grad_norm)
         if reason is None:
+            if run.writer is not None:
+                run.writer.before_update()  # a snapshot still being copied to the host is of this state
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.gate.record(loss, grad_norm, skipped=reason is not None)
@@ -682,14 +687,14 @@ def _json_float(value: float) -> float | str:
 
 
 def _save_checkpoint(run: Run) -> None:
-    """Hand a host snapshot of the state after `run.step` steps to the background writer."""
+    """Hand a snapshot of the state after `run.step` steps to the background writer."""
     snapshot = _snapshot_checkpoint(run)
     if snapshot is not None:
         run.writer.start(snapshot)
 
 
 def _snapshot_checkpoint(run: Run) -> Snapshot | None:
-    """A host snapshot of the state after `run.step` steps, for `run.writer.start` (None on
+    """A snapshot of the state after `run.step` steps, for `run.writer.start` (None on
     the ranks that do not write; a collective under FSDP2)."""
     if run.writer is None and run.parallel_kind != "fsdp":
         return None
