@@ -22,8 +22,8 @@ status is non-zero only on a correctness failure (the resume differs, or a secti
 
 Sizing (H200, about 180 s): caches are built from two random rows written again and again
 (contents do not matter to the timings), about 10 s each; the small fit about 30 s
-(compilation included), the 8B fit about 50 s (its checkpoints go to /dev/shm when it has
-room: a 12 GiB write to a slow disk would hold the final drain), the kill-and-resume about 40
+(compilation included), the 8B fit about 50 s (its cache and checkpoints go to /dev/shm when
+it has room: a 12 GiB write to a slow disk would hold the final drain for 20 s), the kill-and-resume about 40
 s (one fresh process). --budget-s skips the sections that no longer fit their estimate
 (printed as SKIPPED); --quick runs tiny shapes (with --device cpu: the CPU check of the
 script itself, tests/test_gpu_stage_two.py).
@@ -86,14 +86,14 @@ def fit_config(workdir: Path, cache: Path, name: str, device: str, **fit_options
         device=device, wandb=False, log_every=10**9, spike_warmup_steps=10**9, epochs=1000, seed=0) | fit_options)
 
 
-def run_shape(name: str, section: dict, workdir: Path, run_root: Path, device: str) -> dict:
-    """Build the section's cache, fit, and read its metrics and events."""
+def run_shape(name: str, section: dict, workdir: Path, device: str) -> dict:
+    """Build the section's cache in `workdir`, fit there, and read the metrics and events."""
     cache = workdir / f"cache-{name}"
     t0 = time.perf_counter()
     write_bench_cache(cache, section["shape"], num_sequences=section["num_sequences"], length=section["length"],
                       feature_codec=section["feature_codec"])
     cache_s = time.perf_counter() - t0
-    config = fit_config(run_root, cache, name, device, **section["fit"])
+    config = fit_config(workdir, cache, name, device, **section["fit"])
     t0 = time.perf_counter()
     fit(config)
     fit_s = time.perf_counter() - t0
@@ -264,19 +264,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
         for name, section in sections.items():
-            run_root = workdir
-            if name == "qwen3-8b" and not args.quick and _shm_room_gib() >= 40:
-                run_root = Path(tempfile.mkdtemp(prefix="gpu_stage_two-", dir="/dev/shm"))
+            root = workdir
+            if name == "qwen3-8b" and not args.quick and _shm_room_gib() >= 48:  # 2 x 12 GiB checkpoints, 4 GiB cache
+                root = Path(tempfile.mkdtemp(prefix="gpu_stage_two-", dir="/dev/shm"))
             if time.perf_counter() - started + section["estimate_s"] > args.budget_s:
                 print(f"SKIPPED {name}: its estimate ({section['estimate_s']} s) exceeds the budget left", flush=True)
                 continue
             try:
-                results[name] = run_shape(name, section, workdir, run_root, args.device)
+                results[name] = run_shape(name, section, root, args.device)
             except Exception as error:  # noqa: BLE001 - reported, and the exit status says so
                 failures.append(f"{name}: {type(error).__name__}: {error}")
             finally:
-                if run_root != workdir:
-                    shutil.rmtree(run_root, ignore_errors=True)
+                if root != workdir:
+                    shutil.rmtree(root, ignore_errors=True)
         if time.perf_counter() - started + 40 > args.budget_s:
             print("SKIPPED kill-and-resume: the budget is spent", flush=True)
         else:

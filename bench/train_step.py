@@ -88,7 +88,7 @@ def write_bench_cache(path: Path, shape: dict, *, num_sequences: int, length: in
                            num_layers=shape["num_layers"], layer_ids=list(shape["layer_ids"]),
                            num_attention_heads=shape["num_attention_heads"],
                            num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
-                           intermediate_size=shape["intermediate_size"], seed=seed)
+                           intermediate_size=shape["intermediate_size"], seed=seed, distinct_rows=4096)
 
 
 def read_rate(workdir: Path, feature_codec: str, num_sequences: int = 16, length: int = 2048,
