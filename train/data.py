@@ -588,9 +588,14 @@ class BatchFeed:
         """The batch for the current stream: it waits (on the device) for the copy, then the
         features are decoded there."""
         if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
             before = self._event()
-            torch.cuda.current_stream(self.device).wait_event(sent.slot.copied)
+            stream.wait_event(sent.slot.copied)
             sent.wait_events = (before, self._event())
+            runs = sent.batch.features
+            for tensor in [*(getattr(sent.batch, name) for name in _TENSORS), *(run.codes for run in runs),
+                           *(run.scales for run in runs if run.scales is not None)]:
+                tensor.record_stream(stream)  # allocated on the side stream, used on this one
         sent.batch.decoded = decode_features(sent.batch.features)
         return sent.batch
 
