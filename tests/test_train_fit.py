@@ -149,6 +149,7 @@ def test_metrics_and_events(cache_dir, tmp_path, capsys):
     steps_per_epoch = result.total_steps // config.data.epochs
     for line in lines:
         assert tuple(line) == STEP_KEYS
+        assert line["gpu_data_wait_s"] is None  # no CUDA events on a CPU: absent, not 0
         assert len(line["accuracy"]) == config.model.block_size - 1
         assert line["tokens"] <= config.data.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
         assert line["epoch"] == pytest.approx(line["step"] / steps_per_epoch)
