@@ -143,7 +143,7 @@ def kill_and_resume(workdir: Path, device: str, section: dict) -> dict:
 
     cache = workdir / "cache-resume"
     shape = dict(section["shape"])
-    write_bench_cache(cache, shape, num_sequences=section["num_sequences"], length=section["length"],
+    write_bench_cache(cache, shape, num_sequences=min(16, section["num_sequences"]), length=section["length"],
                       feature_codec=section["feature_codec"])
     options = dict(section["fit"], max_steps=RESUME_STEPS, checkpoint_every=RESUME_EVERY, keep_checkpoints=2)
     options["tokens_per_step"] = min(options["tokens_per_step"], 2048)
