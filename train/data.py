@@ -23,8 +23,13 @@ world size): no state to save beyond (epoch, step), no queue, no worker, no thre
   block is the features at positions < a.
 
 Reading (`read_batch`): for each of the rank's segments, the row is opened through the
-memory-mapped shard (`cache.raw(i)`), the context features [0, max anchor) are copied out
-of the mapping, the label rows gathered. Cost is a memory copy of the context rows.
+memory-mapped shard (`cache.raw(i)`, its crc32 checked at the run's first read of it), and
+the batch is laid out in one reusable host buffer (`Staging`): the context features [0, max
+anchor) copied once out of the mapping as stored (bf16 bits, or fp8 codes and scales), the
+label rows' top-k (a packed codec decoded at those positions only), the block ids and the
+layout's index tensors. Cost: one copy of the context rows. `BatchFeed` runs it for the
+training loop one step ahead, copies the buffer to the device on a side stream in one
+transfer and decodes the features there (see its docstring): no thread, no queue.
 """
 
 from __future__ import annotations
