@@ -416,8 +416,9 @@ def test_other_losses_and_bf16_compute(cache_dir, tmp_path, loss):
 def test_the_read_ahead_gives_the_batches_a_fresh_read_gives(cache_dir, tmp_path, monkeypatch):
     """The loop's batches (read one step ahead into two reused staging buffers, through the
     BatchFeed) equal, tensor for tensor, the batches read on their own into fresh buffers,
-    across an epoch boundary; so do the layouts. A slot refilled too early, a stale part of a
-    reused buffer or an order that depends on the read-ahead would show here."""
+    across an epoch boundary and with held-out evaluations between steps; so do the layouts.
+    A slot refilled too early, a stale part of a reused buffer, an evaluation reading over the
+    next step's batch or an order that depends on the read-ahead would show here."""
     from dflash.train.data import read_batch
     from dflash.train.model import BlockLayout
 
@@ -425,6 +426,8 @@ def test_the_read_ahead_gives_the_batches_a_fresh_read_gives(cache_dir, tmp_path
     real_forward_loss, real_step_figures = fit_module.forward_loss, fit_module._step_figures
 
     def spy_layout(run, batch, layout):
+        if not run.wrapped.training:  # a held-out evaluation between two steps
+            return real_forward_loss(run, batch, layout)
         runs.append(run)
         layouts.append(([layout.anchors.clone(), layout.context_positions.clone(), layout.block_positions.clone()],
                         (layout.context_lengths, layout.num_blocks, layout.context_offsets, layout.block_offsets)))
@@ -438,7 +441,7 @@ def test_the_read_ahead_gives_the_batches_a_fresh_read_gives(cache_dir, tmp_path
 
     monkeypatch.setattr(fit_module, "forward_loss", spy_layout)
     monkeypatch.setattr(fit_module, "_step_figures", spy_batch)
-    fit(tiny_config(cache_dir, tmp_path / "run", epochs=2, checkpoint_every=100))
+    fit(tiny_config(cache_dir, tmp_path / "run", epochs=2, checkpoint_every=100, eval_every=2, eval_fraction=0.25))
     run = runs[0]
     assert len(seen) == run.total_steps > run.plan.steps_per_epoch  # the second epoch is compared too
     for step, (tensors, (layout_tensors, layout_lists)) in enumerate(zip(seen, layouts, strict=True)):
