@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -52,12 +53,92 @@ SHAPES = {
 }
 
 
+def write_bench_cache(path: Path, shape: dict, *, num_sequences: int, length: int, feature_codec: str = "bf16",
+                      distinct: int = 2, seed: int = 0) -> None:
+    """A finalized cache of `num_sequences` rows of `length` tokens at `shape`'s widths, plus
+    its target/ folder, built from `distinct` random rows written again and again: the
+    benchmarks time bytes, not contents, and shards/synthetic draws top-k ids token by token
+    (minutes per row at V 151,936). Loss mask: a third of prompt, then the reply."""
+    from dflash.shards import CacheSpec, codecs
+    from dflash.shards.layout import TARGET_DIR
+    from dflash.shards.writer import CacheWriter, finalize_cache
+    from dflash.train.synthetic import write_synthetic_target
+
+    V, k = shape["vocab_size"], shape["top_k"]
+    spec = CacheSpec(vocab_size=V, hidden_size=shape["hidden_size"], layer_ids=list(shape["layer_ids"]), top_k=k,
+                     feature_codec=feature_codec, max_length=length,
+                     target={"name": "synthetic", "model_type": "qwen3", "num_layers": shape["num_layers"],
+                             "config_sha256": "synthetic", "dtype": "bfloat16"})
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(distinct):
+        features = rng.standard_normal((length, len(shape["layer_ids"]), shape["hidden_size"]), dtype=np.float32)
+        logits = -np.sort(rng.exponential(2.0, size=(length, k)), axis=1)  # [T, k] descending
+        rows.append(dict(
+            input_ids=rng.integers(0, V, size=length), loss_mask=np.arange(length) >= length // 3,
+            features=codecs.f32_to_bf16(features) if feature_codec == "bf16" else features,
+            topk_ids=((rng.integers(0, V, size=(length, 1)) + 7919 * np.arange(k)) % V).astype(np.int32),  # distinct
+            topk_logprobs=(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True) - 0.1).astype(np.float32)))
+    writer = CacheWriter(path, spec)
+    for index in range(num_sequences):
+        writer.add(**rows[index % distinct], source={"file": "synthetic.jsonl", "index": index})
+    writer.close()
+    finalize_cache(path, spec, 1)
+    write_synthetic_target(path / TARGET_DIR, vocab_size=V, hidden_size=shape["hidden_size"],
+                           num_layers=shape["num_layers"], layer_ids=list(shape["layer_ids"]),
+                           num_attention_heads=shape["num_attention_heads"],
+                           num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+                           intermediate_size=shape["intermediate_size"], seed=seed, distinct_rows=4096)
+
+
+def read_rate(workdir: Path, feature_codec: str, num_sequences: int = 16, length: int = 2048,
+              anchors_per_seq: int = 512, tokens_per_step: int = 16384) -> dict:
+    """The host's read rate at Qwen3-8B's widths, as fit reads (read_batch into two reused
+    staging buffers, crc32 checked at a row's first read): two sequences of 2,048 tokens a
+    step, the page cache warm (the cache was just written). Epoch 0 reads every row for the
+    first time (checked), epoch 1 again (not re-checked). GB are the step's context features
+    in bf16 (5 x 4096 x 2 bytes a token; fp8 caches store half), per second of this process's
+    CPU time (one core's cost; the machine may be shared) and of wall time."""
+    from dflash.shards import open_cache
+    from dflash.train.data import Corpus, DataPlan, Staging, read_batch
+
+    cache_dir = workdir / f"cache-read-{feature_codec}"
+    t0 = time.perf_counter()
+    write_bench_cache(cache_dir, SHAPES["gpu"], num_sequences=num_sequences, length=length,
+                      feature_codec=feature_codec)
+    cache_s = time.perf_counter() - t0
+    corpus = Corpus([open_cache(cache_dir, check_rows=True, check_once=True)])
+    plan = DataPlan(num_eligible=corpus.num_eligible, held_out=np.zeros(len(corpus), dtype=bool), block_size=16,
+                    anchors_per_seq=anchors_per_seq, tokens_per_step=tokens_per_step, seed=0, world_size=1)
+    slots = [Staging(), Staging()]
+    bytes_per_row = 2 * len(SHAPES["gpu"]["layer_ids"]) * SHAPES["gpu"]["hidden_size"]
+    result = {"feature_codec": feature_codec, "cache_write_s": cache_s, "steps_per_epoch": plan.steps_per_epoch}
+    for epoch, name in ((0, "first_read"), (1, "reread")):
+        cpu, wall, gb = [], [], []
+        for step in range(plan.steps_per_epoch):
+            c0, w0 = time.process_time(), time.perf_counter()
+            batch = read_batch(corpus, plan.segments(epoch, step, 0), stream=epoch, plan_anchors=anchors_per_seq,
+                               seed=0, block_size=16, gamma=7.0, mask_token_id=0, staging=slots[step % 2])
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            gb.append(sum(run.codes.shape[0] for run in batch.features) * bytes_per_row / 1e9)
+        steady = slice(2, None) if epoch == 0 else slice(None)  # epoch 0's first two steps size the buffers
+        result[name] = {"gb_per_step": statistics.mean(gb), "median_cpu_s": statistics.median(cpu[steady]),
+                        "gb_per_cpu_s": sum(gb[steady]) / sum(cpu[steady]),
+                        "gb_per_s_wall": sum(gb[steady]) / sum(wall[steady])}
+    shutil.rmtree(cache_dir)
+    return result
+
+
 def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int, drafter_layers: int,
         anchors_per_seq: int, tokens_per_step: int, checkpoint_every: int) -> dict:
     shape = SHAPES[section]
     cache = workdir / f"cache-{section}"
     t0 = time.perf_counter()
-    write_synthetic_training_cache(cache, lengths=[length] * num_sequences, seed=0, **shape)
+    if section == "gpu":  # V 151,936: shards/synthetic's per-token top-k draw would take minutes
+        write_bench_cache(cache, shape, num_sequences=num_sequences, length=length)
+    else:
+        write_synthetic_training_cache(cache, lengths=[length] * num_sequences, seed=0, **shape)
     cache_s = time.perf_counter() - t0
     config = FitConfig.from_dict(dict(
         cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers, block_size=16,
@@ -79,6 +160,7 @@ def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int
 def analyse(metrics: list[dict], events: list[dict]) -> dict:
     step_s = {m["step"]: m["step_time_s"] for m in metrics}
     data_s = {m["step"]: m["data_time_s"] for m in metrics}
+    wait_s = {m["step"]: m["gpu_data_wait_s"] for m in metrics}
     checkpoints = [e for e in events if e["event"] == "checkpoint"]
     snapshot_steps = {e["step"] for e in checkpoints}
     during_write: set[int] = set()
@@ -106,6 +188,15 @@ def analyse(metrics: list[dict], events: list[dict]) -> dict:
         "data_fraction": sum(data_s[s] for s in steady) / sum(step_s[s] for s in steady),
         "max_step_data_fraction": max(data_s[s] / step_s[s] for s in steady),
         "median_data_s": statistics.median(data_s[s] for s in steady),
+        # The device's idle time for data (CUDA events; None on a CPU), against the step.
+        "gpu_data_wait_fraction": None if wait_s[steady[0]] is None
+        else sum(wait_s[s] for s in steady) / sum(step_s[s] for s in steady),
+        "max_step_gpu_data_wait_fraction": None if wait_s[steady[0]] is None
+        else max(wait_s[s] / step_s[s] for s in steady),
+        # The training thread's time blocked by a checkpoint (waiting for the previous write,
+        # queueing the snapshot's copy), in median steps.
+        "checkpoint_block_steps": max(((e["wait_s"] + e["snapshot_s"]) / median for e in checkpoints), default=None),
+        "snapshot_to": sorted({e["snapshot_to"] for e in checkpoints}),
         "checkpoints": len(checkpoints),
         "checkpoint_write_s": max((e["write_s"] for e in checkpoints), default=0.0),
         "checkpoint_snapshot_s": max((e["snapshot_s"] for e in checkpoints), default=0.0),
@@ -176,8 +267,12 @@ def table(results: list[dict]) -> str:
         ("tokens/step", lambda r: f"{r['tokens_per_step']}"),
         ("median step", lambda r: f"{r['median_step_s']:.3f} s (first {r['first_step_s']:.2f} s)"),
         ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
-        ("data time / step time", lambda r: f"{100 * r['data_fraction']:.2f}% (worst step "
-                                            f"{100 * r['max_step_data_fraction']:.2f}%)"),
+        ("host read time / step time", lambda r: f"{100 * r['data_fraction']:.2f}% (worst step "
+                                                 f"{100 * r['max_step_data_fraction']:.2f}%)"),
+        ("GPU data wait / step time", lambda r: "- (CPU)" if r["gpu_data_wait_fraction"] is None else
+         f"{100 * r['gpu_data_wait_fraction']:.2f}% (worst step {100 * r['max_step_gpu_data_wait_fraction']:.2f}%)"),
+        ("checkpoint block / median step", lambda r: f"{_ratio(r['checkpoint_block_steps'])} "
+                                                     f"(snapshot to {', '.join(r['snapshot_to'])})"),
         ("checkpoint", lambda r: f"{r['checkpoints']} x {r['checkpoint_bytes'] / 2**20:.0f} MiB, write "
                                  f"{r['checkpoint_write_s']:.2f} s, snapshot {r['checkpoint_snapshot_s']:.3f} s"),
         ("snapshot step / local median", lambda r: _ratio(r["max_snapshot_step_ratio"])),
@@ -203,7 +298,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--sections", default="cpu,gpu",
-                        help="synthetic sections to run: cpu, gpu (skipped without CUDA), or none")
+                        help="sections to run: cpu, gpu (skipped without CUDA), read (the host's read rate "
+                             "at Qwen3-8B's widths), or none")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the caches and runs here")
     parser.add_argument("--smollm2-cache", type=Path, default=None,
@@ -212,7 +308,7 @@ def main() -> None:
     parser.add_argument("--smollm2-tokens-per-step", type=int, default=256)
     args = parser.parse_args()
     globals()["PEAK_TFLOPS"] = args.peak_tflops
-    results = []
+    results, reads = [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +316,8 @@ def main() -> None:
         if "cpu" in sections:
             results.append(run("cpu", workdir, args.steps, num_sequences=24, length=512, drafter_layers=2,
                                anchors_per_seq=32, tokens_per_step=1024, checkpoint_every=6))
+        if "read" in sections:
+            reads = [read_rate(workdir, codec) for codec in ("bf16", "fp8")]
         if "gpu" in sections and torch.cuda.is_available():
             results.append(run("gpu", workdir, args.steps, num_sequences=16, length=2048, drafter_layers=5,
                                anchors_per_seq=512, tokens_per_step=16384, checkpoint_every=8))
@@ -227,6 +325,12 @@ def main() -> None:
                                                    args.smollm2_tokens_per_step) if args.smollm2_cache else None
     if results:
         print(table(results))
+    for r in reads:
+        print(f"host read at Qwen3-8B's widths, {r['feature_codec']} cache, "
+              f"{r['first_read']['gb_per_step']:.3f} GB of bf16 features a step: "
+              + "; ".join(f"{name.replace('_', ' ')} {r[name]['gb_per_cpu_s']:.2f} GB/CPU-s "
+                          f"({1e3 * r[name]['median_cpu_s']:.0f} ms CPU a step), "
+                          f"{r[name]['gb_per_s_wall']:.2f} GB/s wall" for name in ("first_read", "reread")))
     if smollm2:
         print(f"SmolLM2 run, {smollm2['steps']} steps: mean loss first tenth "
               f"{smollm2['mean_loss_first_tenth']:.3f} -> last tenth {smollm2['mean_loss_last_tenth']:.3f}")
@@ -235,7 +339,7 @@ def main() -> None:
         print("  first metrics line:", smollm2["first_line"])
         print("  last metrics line: ", smollm2["last_line"])
     if args.json:
-        print(json.dumps({"results": results, "smollm2": smollm2}))
+        print(json.dumps({"results": results, "reads": reads, "smollm2": smollm2}))
 
 
 if __name__ == "__main__":

@@ -52,10 +52,11 @@ class RawSequence:
     features: np.ndarray  # [T, L, H] view (basis codecs: [T, 1, r]): uint16 bf16 bits, or uint8 e4m3 codes
     feature_scales: np.ndarray | None  # [T, L] (basis-fp8: [T, 1]) float32 view: value = e4m3 * scale; else None
     feature_codec: str  # spec.feature_codec
-    topk_ids: np.ndarray  # [T, k] int32, decoded
-    topk_logprobs: np.ndarray  # [T, k] float32, decoded
-    tail_mass: np.ndarray  # [T] float32, decoded
+    topk_ids: np.ndarray | None  # [T, k] int32, decoded (None: raw(i, decode_topk=False) of a packed row)
+    topk_logprobs: np.ndarray | None  # [T, k] float32, decoded (None as topk_ids)
+    tail_mass: np.ndarray | None  # [T] float32, decoded (None as topk_ids)
     source: dict[str, Any]
+    topk_packed: np.ndarray | None = None  # [T, bytes] uint8 view of the packed codec's rows; else None
 
 
 def _inside(root: Path, relative: Any, field: str) -> Path:
@@ -94,7 +95,8 @@ class Cache:
     processes may inherit one; the mappings are read-only.
     """
 
-    def __init__(self, path: str | Path, *, check_rows: bool = True, max_open_shards: int = 64):
+    def __init__(self, path: str | Path, *, check_rows: bool = True, check_once: bool = False,
+                 max_open_shards: int = 64):
         self.path = Path(path)  # the cache directory, as given (not resolved)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
@@ -169,6 +171,10 @@ class Cache:
                                               "feature_basis.path")
             self.feature_basis_entry = entry
         self.check_rows = check_rows
+        # check_once: a row whose crc32 passed is not checked again by this Cache (a trainer
+        # reads every row once an epoch; the mapping is read-only and shards are never
+        # rewritten in place). [N] bool, one byte per sequence.
+        self._checked = np.zeros(len(self.lengths), dtype=bool) if check_rows and check_once else None
         self._max_open = max_open_shards
         self._open: OrderedDict[int, pa.ipc.RecordBatchFileReader] = OrderedDict()
 
@@ -216,13 +222,21 @@ class Cache:
             source=raw.source,
         )
 
-    def raw(self, i: int) -> RawSequence:
+    def raw(self, i: int, *, decode_topk: bool = True) -> RawSequence:
+        """Sequence i with its big columns as views of the mapping (checked when check_rows).
+
+        decode_topk=False leaves a packed top-k undecoded (`topk_packed`; the decoded fields
+        None), for a reader that needs a few positions of it: decoding is per position, so
+        `codecs.decode_topk_packed(raw.topk_packed[positions], ...)` equals the full decode
+        at those positions.
+        """
         i, shard, row = self._shard_row(i)
         path = self.shard_paths[shard]
         spec = self.spec
         try:
             batch = self._reader(shard).get_batch(row)
-            columns = rows.read_row(batch, spec, check=self.check_rows)
+            check = self.check_rows and not (self._checked is not None and self._checked[i])
+            columns = rows.read_row(batch, spec, check=check)
         except (pa.ArrowException, ValueError, OSError) as error:
             raise ValueError(
                 f"{path}: cannot read row {row} (sequence {i}): {error}; the shard is damaged, "
@@ -233,9 +247,15 @@ class Cache:
                 f"{path}: row {row} holds {columns.source} with {columns.num_tokens} tokens, the "
                 f"manifest lists {self.source(i)} with {self.lengths[i]}; the cache is inconsistent"
             )
+        if check and self._checked is not None:
+            self._checked[i] = True
         num_tokens, k = columns.num_tokens, spec.top_k
         values = columns.values
-        if spec.topk_codec == "packed":
+        topk_packed = None
+        if spec.topk_codec == "packed" and not decode_topk:
+            topk_packed = values["topk"].reshape(num_tokens, -1)
+            topk_ids = topk_logprobs = tail_mass = None
+        elif spec.topk_codec == "packed":
             topk = values["topk"].reshape(num_tokens, -1)
             topk_ids, topk_logprobs, tail_mass = codecs.decode_topk_packed(topk, k, spec.vocab_size)
         else:
@@ -253,6 +273,7 @@ class Cache:
             topk_logprobs=topk_logprobs,
             tail_mass=tail_mass,
             source=columns.source,
+            topk_packed=topk_packed,
         )
 
     def loss_mask(self, i: int) -> np.ndarray:
@@ -419,12 +440,13 @@ def open_shard(root: Path, path: Path, entry: dict[str, Any], spec: CacheSpec) -
     return reader
 
 
-def open_cache(path: str | Path, *, check_rows: bool = True) -> Cache:
+def open_cache(path: str | Path, *, check_rows: bool = True, check_once: bool = False) -> Cache:
     """Open a finalized cache; only manifest.json is read until a row is asked for.
 
-    check_rows verifies each row's crc32 as it is read (about 7 GB/s of stored bytes).
+    check_rows verifies each row's crc32 as it is read (zlib: 2 to 7 GB/s of stored bytes,
+    by machine); check_once only the first time this Cache reads the row.
     """
-    return Cache(path, check_rows=check_rows)
+    return Cache(path, check_rows=check_rows, check_once=check_once)
 
 
 def verify_cache(path: str | Path) -> dict[str, Any]:

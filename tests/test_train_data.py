@@ -30,8 +30,8 @@ class HandCache:
 
     def __init__(self, loss_masks: list[np.ndarray]):
         self.path = "hand"
-        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", vocab_size=V,
-                                    layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
+        self.spec = SimpleNamespace(num_layers=L, hidden_size=H, feature_codec="bf16", feature_shape=(L, H),
+                                    vocab_size=V, layer_ids=[0, 1], top_k=K, tokenizer_sha256="", target={},
                                     identity=lambda: {"hand": True})
         self.rows = []
         for i, mask in enumerate(loss_masks):
@@ -43,13 +43,13 @@ class HandCache:
                 input_ids=np.arange(T, dtype=np.int32) + 10 * i, loss_mask=mask, features=bits,
                 topk_ids=topk_ids.astype(np.int32),
                 topk_logprobs=np.log(np.tile([[0.7, 0.2, 0.05]], (T, 1))).astype(np.float32),
-                tail_mass=np.full(T, 0.05, np.float32)))
+                tail_mass=np.full(T, 0.05, np.float32), topk_packed=None))
         self.lengths = np.array([m.shape[0] for m in loss_masks], dtype=np.int64)
 
     def __len__(self):
         return len(self.rows)
 
-    def raw(self, i):
+    def raw(self, i, decode_topk=True):
         return self.rows[i]
 
     def loss_mask(self, i):
@@ -342,3 +342,46 @@ def test_a_batch_over_bf16_and_fp8_caches_decodes_each_with_its_own_codec(tmp_pa
         expected = cache[index].features[:context_length].reshape(context_length, -1)
         np.testing.assert_array_equal(batch.context_features[offset:offset + context_length].numpy(), expected)
         offset += context_length
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_read_batch_labels_equal_the_whole_row_decode(tmp_path, codec):
+    """The packed top-k is decoded at the labelled positions only: the same bits as the
+    reader's whole-row decode at those positions (ids, log-probs, the tokens before them)."""
+    from dflash.shards import open_cache
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    write_synthetic_training_cache(tmp_path / "c", lengths=[30, 41, 25], feature_codec=codec, seed=3, zipf=True)
+    cache = open_cache(tmp_path / "c")
+    corpus = Corpus([cache])
+    segments = [Segment(2, 0, 3), Segment(0, 1, 2), Segment(1, 0, 4)]
+    B = 4
+    batch = read_batch(corpus, segments, stream=1, plan_anchors=4, seed=0, block_size=B, gamma=7.0,
+                       mask_token_id=0)
+    rows, ks = batch.label_rows.numpy(), batch.label_positions.numpy()
+    anchors = np.concatenate([a for _, a in batch.segments])
+    segment_of_block = np.repeat(np.arange(len(segments)), [len(a) for _, a in batch.segments])
+    positions = anchors[rows // B] + ks - 1  # a+k-1 in each row's own sequence
+    for i, seg in enumerate(segments):
+        mine = segment_of_block[rows // B] == i
+        whole = cache.raw(seg.sequence)  # the whole row decoded
+        assert torch.equal(batch.topk_ids[mine], torch.from_numpy(whole.topk_ids[positions[mine]]).long())
+        assert torch.equal(batch.topk_logprobs[mine], torch.from_numpy(whole.topk_logprobs[positions[mine]]))
+        assert torch.equal(batch.label_tokens[mine], torch.from_numpy(whole.input_ids[positions[mine]]).long())
+
+
+def test_check_once_checks_each_row_at_its_first_read_only(tmp_path, monkeypatch):
+    from dflash.shards import open_cache, rows
+    from dflash.train.synthetic import write_synthetic_training_cache
+
+    write_synthetic_training_cache(tmp_path / "c", lengths=[30, 41, 25], seed=3)
+    calls = []
+    real = rows.row_checksum
+    monkeypatch.setattr(rows, "row_checksum", lambda values: calls.append(1) or real(values))
+    every, once = open_cache(tmp_path / "c"), open_cache(tmp_path / "c", check_once=True)
+    for i in (0, 1, 0, 2, 1):
+        every.raw(i)
+    assert len(calls) == 5
+    for i in (0, 1, 0, 2, 1):
+        once.raw(i)
+    assert len(calls) == 5 + 3

@@ -149,6 +149,7 @@ def test_metrics_and_events(cache_dir, tmp_path, capsys):
     steps_per_epoch = result.total_steps // config.data.epochs
     for line in lines:
         assert tuple(line) == STEP_KEYS
+        assert line["gpu_data_wait_s"] is None  # no CUDA events on a CPU: absent, not 0
         assert len(line["accuracy"]) == config.model.block_size - 1
         assert line["tokens"] <= config.data.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
         assert line["epoch"] == pytest.approx(line["step"] / steps_per_epoch)
@@ -405,3 +406,93 @@ def test_other_losses_and_bf16_compute(cache_dir, tmp_path, loss):
     result = fit(tiny_config(cache_dir, tmp_path / "run", loss=loss, dtype="bfloat16", max_steps=3))
     lines = read_lines(tmp_path / "run" / "metrics.jsonl")
     assert result.step == 3 and all(np.isfinite(line["loss"]) and not line["skipped"] for line in lines)
+
+
+# ---------------------------------------------------------------------------------------
+# The read-ahead and the device-side snapshot
+# ---------------------------------------------------------------------------------------
+
+
+def test_the_read_ahead_gives_the_batches_a_fresh_read_gives(cache_dir, tmp_path, monkeypatch):
+    """The loop's batches (read one step ahead into two reused staging buffers, through the
+    BatchFeed) equal, tensor for tensor, the batches read on their own into fresh buffers,
+    across an epoch boundary and with held-out evaluations between steps; so do the layouts.
+    A slot refilled too early, a stale part of a reused buffer, an evaluation reading over the
+    next step's batch or an order that depends on the read-ahead would show here."""
+    from dflash.train.data import read_batch
+    from dflash.train.model import BlockLayout
+
+    seen, layouts, runs = [], [], []
+    real_forward_loss, real_step_figures = fit_module.forward_loss, fit_module._step_figures
+
+    def spy_layout(run, batch, layout):
+        if not run.wrapped.training:  # a held-out evaluation between two steps
+            return real_forward_loss(run, batch, layout)
+        runs.append(run)
+        layouts.append(([layout.anchors.clone(), layout.context_positions.clone(), layout.block_positions.clone()],
+                        (layout.context_lengths, layout.num_blocks, layout.context_offsets, layout.block_offsets)))
+        return real_forward_loss(run, batch, layout)
+
+    def spy_batch(run, batch, *args):  # after the next step's read: the batch must still be intact
+        seen.append({name: getattr(batch, name).clone() for name in
+                     ("block_ids", "label_rows", "label_positions", "topk_ids", "topk_logprobs", "weights",
+                      "label_tokens", "context_features")})
+        return real_step_figures(run, batch, *args)
+
+    monkeypatch.setattr(fit_module, "forward_loss", spy_layout)
+    monkeypatch.setattr(fit_module, "_step_figures", spy_batch)
+    fit(tiny_config(cache_dir, tmp_path / "run", epochs=2, checkpoint_every=100, eval_every=2, eval_fraction=0.25))
+    run = runs[0]
+    assert len(seen) == run.total_steps > run.plan.steps_per_epoch  # the second epoch is compared too
+    for step, (tensors, (layout_tensors, layout_lists)) in enumerate(zip(seen, layouts, strict=True)):
+        epoch, step_in_epoch = divmod(step, run.plan.steps_per_epoch)
+        alone = read_batch(run.corpus, run.plan.segments(epoch, step_in_epoch, 0), stream=epoch,
+                           plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed,
+                           block_size=run.config.model.block_size, gamma=run.gamma,
+                           mask_token_id=run.drafter_config.mask_token_id)
+        for name, value in tensors.items():
+            assert torch.equal(value, getattr(alone, name)), (step, name)
+        layout = BlockLayout.build(alone.segments, run.config.model.block_size)
+        for got, expected in zip(layout_tensors, [layout.anchors, layout.context_positions, layout.block_positions]):
+            assert torch.equal(got, expected), step
+        assert layout_lists == (layout.context_lengths, layout.num_blocks, layout.context_offsets,
+                                layout.block_offsets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("snapshot_to", ["device", "host"])
+def test_a_gpu_snapshot_holds_the_state_of_its_step(tmp_path, snapshot_to):
+    """A snapshot queued on the device (or, when it does not fit, copied to pinned memory on a
+    side stream) is of the step it was taken at, although the next updates are queued at
+    once: the written checkpoint equals a copy of the state taken then."""
+    from dflash.train.checkpoint import CheckpointWriter, load_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    writer = CheckpointWriter(tmp_path, keep=2, snapshot_to=snapshot_to)
+
+    def train_step():
+        model(torch.randn(4096, 256, device="cuda")).square().mean().backward()
+        writer.before_update()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_step()
+    expected = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    expected_moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    snapshot = writer.snapshot(1, model.state_dict(), optimizer.state_dict(), {"gate": {}})
+    assert snapshot.snapshot_to == snapshot_to
+    writer.start(snapshot)
+    for _ in range(3):  # queued behind (device) or beside (host) the copy
+        train_step()
+    writer.wait()
+    event, = writer.pop_finished()
+    weights, optim, _ = load_checkpoint(event.path)
+    assert event.snapshot_to == snapshot_to
+    for name, value in expected.items():
+        assert torch.equal(weights[name], value.cpu()), name
+        assert not torch.equal(model.state_dict()[name].cpu(), value.cpu())  # the live state moved on
+    for index, moment in enumerate(expected_moments):
+        assert torch.equal(optim["state"][index]["exp_avg"], moment.cpu())

@@ -1,8 +1,23 @@
 """Checkpoints written in the background, atomically, and loaded without unpickling.
 
-`CheckpointWriter.save` copies the model and optimizer state into host buffers reused from
-save to save (pinned for CUDA: one device-to-host copy, then training continues) and hands the copy to a
-writer thread. The thread writes `RUN/checkpoints/.step-XXXXXXXX.tmp/` (model.safetensors,
+`CheckpointWriter.save` copies the model and optimizer state into snapshot buffers reused
+from save to save, and hands the copy to a writer thread; the training thread is blocked
+only while the copy is queued, never for the device-to-host transfer or the write:
+
+- state on a GPU: a device-side copy into buffers on the same GPU, queued on the training
+  stream (a few milliseconds of device time for a 12 GiB checkpoint; the next update is
+  queued after it, so the copy is of this step's state). The writer thread then copies the
+  buffers to pinned host memory on its own stream and writes them. The device buffers cost
+  the checkpoint's size in device memory; when that is not free (`mem_get_info` plus the
+  allocator's cached blocks, keeping `DEVICE_RESERVE_FRACTION` of the device spare), the
+  snapshot goes to pinned host memory instead, copied on a side stream, and the training
+  stream waits for that copy only before its next optimizer update (`before_update`): the
+  next forward and backward overlap it. The choice is printed once and logged with every
+  checkpoint (`snapshot_to`: "device", "host" or "cpu");
+- state on the CPU (CPU training, or FSDP2's gathered state): a copy into host buffers
+  (the optimizer updates in place, so a copy is needed).
+
+The thread writes `RUN/checkpoints/.step-XXXXXXXX.tmp/` (model.safetensors,
 optimizer.pt, state.json), fsyncs every file and the folder, renames it to `step-XXXXXXXX`
 and fsyncs the parent: a crash at any instant leaves either the previous set of complete
 checkpoints or the new one, never a readable half. Then it deletes all but the newest
@@ -55,6 +70,8 @@ class CheckpointEvent:
     wait_s: float
     write_s: float
     bytes: int
+    snapshot_to: str
+    """Where the snapshot was copied: "device" (GPU buffers), "host" (pinned, side stream), "cpu"."""
 
 
 @dataclass
@@ -68,12 +85,26 @@ class Snapshot:
     """state.json's contents."""
     snapshot_s: float
     wait_s: float
+    snapshot_to: str
+    copied: object = None
+    """torch.cuda.Event: the snapshot's copy is complete (None: complete on return)."""
+
+
+DEVICE_RESERVE_FRACTION = 0.05  # a device snapshot must leave this share of the GPU free
 
 
 class CheckpointWriter:
-    def __init__(self, run_dir: Path, keep: int):
+    def __init__(self, run_dir: Path, keep: int, snapshot_to: str = "auto"):
+        """snapshot_to: "auto" (device buffers when they fit, else pinned host memory),
+        "device" or "host" (forced: for tests and benchmarks). Only matters for GPU state."""
         if keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
+        assert snapshot_to in ("auto", "device", "host"), snapshot_to
+        self.snapshot_to = snapshot_to
+        self._device_buffers: dict[str, torch.Tensor] = {}
+        self._side_stream = None  # CUDA stream of the host fallback's copies
+        self._pending_copy = None  # the host fallback's copy, which the next update must wait for
+        self._announced = False
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
@@ -105,8 +136,8 @@ class CheckpointWriter:
 
     def snapshot(self, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
                  state: dict) -> Snapshot:
-        """Copy the state into the host buffers (after the previous write, which reads them, has
-        finished); `start` writes the copy. `state` is JSON-able."""
+        """Queue the copy of the state into the snapshot buffers (after the previous write,
+        which reads them, has finished); `start` writes the copy. `state` is JSON-able."""
         self.check()
         t0 = time.perf_counter()
         if self._thread is not None:
@@ -114,20 +145,35 @@ class CheckpointWriter:
             self.check()
         wait_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        model_host = {name: self._to_host(f"model.{name}", t) for name, t in model_state.items()}
-        optimizer_host = self._snapshot_tree(optimizer_state, "optim")
-        if any(t.is_cuda for t in model_state.values()):
-            torch.cuda.synchronize()
+        tensors = [t for t in [*model_state.values(), *_tensors(optimizer_state)] if t.is_cuda]
+        where = self._where(tensors) if tensors else "cpu"
+        copied = None
+        if where == "host":  # after the training stream's queued work, beside the work queued next
+            device = tensors[0].device
+            self._side_stream = self._side_stream or torch.cuda.Stream(device)
+            self._side_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._side_stream):
+                model_copy, optimizer_copy = self._copy_all(model_state, optimizer_state, where)
+                copied = self._pending_copy = _record(self._side_stream)
+        else:
+            model_copy, optimizer_copy = self._copy_all(model_state, optimizer_state, where)
+            if where == "device":
+                copied = _record(torch.cuda.current_stream(tensors[0].device))
         snapshot_s = time.perf_counter() - t1
         payload = {"version": CHECKPOINT_VERSION, "step": step, **state}
-        return Snapshot(step, model_host, optimizer_host, payload, snapshot_s, wait_s)
+        return Snapshot(step, model_copy, optimizer_copy, payload, snapshot_s, wait_s, where, copied)
+
+    def before_update(self) -> None:
+        """Call before updating the state in place (the optimizer step): the training stream
+        waits (on the device) for a host-fallback snapshot copy still reading the state."""
+        if self._pending_copy is not None:
+            torch.cuda.current_stream(self._side_stream.device).wait_event(self._pending_copy)
+            self._pending_copy = None
 
     def start(self, snapshot: Snapshot) -> None:
         """Write `snapshot` (the latest one taken) in the background."""
-        self._thread = threading.Thread(
-            target=self._write, name=f"checkpoint-{snapshot.step}", daemon=True,
-            args=(snapshot.step, snapshot.model, snapshot.optimizer, snapshot.payload, snapshot.snapshot_s,
-                  snapshot.wait_s))
+        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{snapshot.step}", daemon=True,
+                                        args=(snapshot,))
         self._thread.start()
 
     def wait(self) -> None:
@@ -141,29 +187,75 @@ class CheckpointWriter:
 
     # -- internals -------------------------------------------------------------------
 
-    def _to_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy into a host buffer kept across saves (pinned for CUDA sources): the previous
-        write has finished reading it (save() joined it), and reuse skips the page faults of
-        fresh allocations. A copy is needed on CPU too: the optimizer updates in place."""
+    def _where(self, tensors: list[torch.Tensor]) -> str:
+        """"device" or "host" for a snapshot of these GPU tensors (see the module docstring)."""
+        if self.snapshot_to != "auto":
+            return self.snapshot_to
+        if self._device_buffers:  # allocated by an earlier snapshot of the same state
+            return "device"
+        device = tensors[0].device
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        where = "device" if needed <= free - DEVICE_RESERVE_FRACTION * total else "host"
+        if not self._announced:
+            self._announced = True
+            how = ("a copy in device memory" if where == "device"
+                   else "pinned host memory filled on a side stream (a device copy does not fit)")
+            print(f"checkpoint snapshots: {how}: {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB of "
+                  f"{total / 2**30:.1f} GiB free on {device}", flush=True)
+        return where
+
+    def _copy_all(self, model_state: dict, optimizer_state: dict, where: str) -> tuple[dict, dict]:
+        return ({name: self._copy(f"model.{name}", t, where) for name, t in model_state.items()},
+                self._copy_tree(optimizer_state, "optim", where))
+
+    def _copy(self, key: str, tensor: torch.Tensor, where: str) -> torch.Tensor:
+        """Copy into a buffer kept across saves: on the tensor's GPU ("device"), pinned host
+        memory ("host", asynchronous on the current stream), or host memory (a CPU tensor).
+        The previous write has finished reading it (snapshot() joined it), and reuse skips
+        the page faults of fresh allocations. A copy is needed on CPU too: the optimizer
+        updates in place."""
         tensor = tensor.detach()
-        buffer = self._buffers.get(key)
+        on_device = where == "device" and tensor.is_cuda
+        buffers = self._device_buffers if on_device else self._buffers
+        buffer = buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            self._buffers[key] = buffer
+            buffer = (torch.empty_like(tensor, memory_format=torch.contiguous_format) if on_device
+                      else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda))
+            buffers[key] = buffer
+        if buffer.data_ptr() == tensor.data_ptr():  # a device snapshot's CPU tensor (AdamW's step), copied already
+            return buffer
         return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
 
-    def _snapshot_tree(self, value, key: str):
+    def _copy_tree(self, value, key: str, where: str):
         if isinstance(value, torch.Tensor):
-            return self._to_host(key, value)
+            return self._copy(key, value, where)
         if isinstance(value, dict):
-            return {k: self._snapshot_tree(v, f"{key}.{k}") for k, v in value.items()}
+            return {k: self._copy_tree(v, f"{key}.{k}", where) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(self._snapshot_tree(v, f"{key}.{i}") for i, v in enumerate(value))
+            return type(value)(self._copy_tree(v, f"{key}.{i}", where) for i, v in enumerate(value))
         return value
 
-    def _write(self, step, model_host, optimizer_host, payload, snapshot_s, wait_s) -> None:
+    def _to_host(self, snapshot: Snapshot) -> tuple[dict, dict]:
+        """(model, optimizer) in host memory: after the snapshot's copy, and for a device
+        snapshot through this thread's own stream into pinned buffers."""
+        if snapshot.copied is not None:
+            snapshot.copied.synchronize()
+        if snapshot.snapshot_to != "device":
+            return snapshot.model, snapshot.optimizer
+        device = next(t.device for t in [*snapshot.model.values(), *_tensors(snapshot.optimizer)] if t.is_cuda)
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            host = self._copy_all(snapshot.model, snapshot.optimizer, "host")
+        stream.synchronize()
+        return host
+
+    def _write(self, snapshot: Snapshot) -> None:
+        step, payload = snapshot.step, snapshot.payload
         try:
             t0 = time.perf_counter()
+            model_host, optimizer_host = self._to_host(snapshot)
             final = self.root / f"step-{step:08d}"
             from safetensors.torch import save_file
 
@@ -184,12 +276,30 @@ class CheckpointWriter:
                         _fsync_file(path)
             for old in list_checkpoints(self.root.parent)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-            event = CheckpointEvent(step, str(final), snapshot_s, wait_s, time.perf_counter() - t0, size)
+            event = CheckpointEvent(step, str(final), snapshot.snapshot_s, snapshot.wait_s, time.perf_counter() - t0,
+                                    size, snapshot.snapshot_to)
             with self._lock:
                 self._finished.append(event)
         except BaseException as error:  # noqa: BLE001 - re-raised in the training loop by check()
             # atomic_dir has deleted the temporary folder (it may hold the space a rerun needs).
             self._error = error
+
+
+def _record(stream):
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in a state dict's nested dicts and lists."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
 
 
 def _torch_save(obj, path: Path) -> None:

@@ -23,15 +23,22 @@ world size): no state to save beyond (epoch, step), no queue, no worker, no thre
   block is the features at positions < a.
 
 Reading (`read_batch`): for each of the rank's segments, the row is opened through the
-memory-mapped shard (`cache.raw(i)`), the context features [0, max anchor) are copied out
-of the mapping, the label rows gathered. Cost is a memory copy of the context rows.
+memory-mapped shard (`cache.raw(i)`, its crc32 checked at the run's first read of it), and
+the batch is laid out in one reusable host buffer (`Staging`): the context features [0, max
+anchor) copied once out of the mapping as stored (bf16 bits, or fp8 codes and scales), the
+label rows' top-k (a packed codec decoded at those positions only), the block ids and the
+layout's index tensors. Cost: one copy of the context rows. `BatchFeed` runs it for the
+training loop one step ahead, copies the buffer to the device on a side stream in one
+transfer and decodes the features there (see its docstring): no thread, no queue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.shards import codecs
 from dflash.shards.files import write_npz_atomic
 from dflash.train.run_folder import ANCHOR_INDEX_FILE
 
@@ -332,18 +340,72 @@ def check_compatible(spec, other, cache) -> None:
 # Reading a batch
 # ---------------------------------------------------------------------------------------
 
+_ALIGN_BYTES = 64  # every part of a staging buffer starts on a cache line (any dtype's alignment too)
+
+
+class Staging:
+    """A host byte buffer that a batch is laid out in, reused from read to read; pinned when
+    the batch goes to a GPU, so that its copy is one asynchronous transfer.
+
+    Reuse matters even on a CPU: a fresh buffer of a step's size (170 MB at Qwen3-8B's
+    widths) costs more in first-touch page faults than the copy into it.
+    """
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # [capacity] uint8
+        self.used_bytes = 0
+
+    def parts(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """Contiguous views of the buffer, one per (shape, dtype), in order (grown when short:
+        the batch laid out before keeps the old buffer alive through its views)."""
+        offsets, end = [], 0
+        for shape, dtype in shapes:
+            offsets.append(end)
+            end += -(-math.prod(shape) * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
+        if end > self.buffer.numel():  # a quarter more, so that steps of varying size settle
+            self.buffer = torch.empty(max(end, self.buffer.numel() * 5 // 4), dtype=torch.uint8, pin_memory=self.pin)
+        self.used_bytes = end
+        return [self.buffer[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for o, (shape, dtype) in zip(offsets, shapes)]
+
+
+@dataclass
+class FeatureRun:
+    """Context rows of consecutive segments stored in one codec, as the cache holds them."""
+
+    codec: str
+    codes: torch.Tensor  # [c, L, H] ([c, 1, r] basis codecs): int16 (bf16 bits) or uint8 (e4m3 codes)
+    scales: torch.Tensor | None  # [c, L] ([c, 1]) float32 for fp8 codecs (value = e4m3 * scale); else None
+
+
+def decode_features(runs: list[FeatureRun]) -> torch.Tensor:
+    """[C, L*H] ([C, r] basis codecs) on the runs' device: bf16 when every run is bf16 (a view,
+    no copy), else float32 (fp8 codes times their per-token scales; bf16 runs widened)."""
+    if all(run.scales is None for run in runs):
+        parts = [run.codes.view(torch.bfloat16) for run in runs]
+    else:
+        parts = [run.codes.view(torch.bfloat16).float() if run.scales is None
+                 else run.codes.view(torch.float8_e4m3fn).float() * run.scales[..., None] for run in runs]
+    context = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return context.reshape(context.shape[0], -1)
+
 
 @dataclass
 class Batch:
-    """One rank's share of a step, on the host (pinned when `pin` was asked for).
+    """One rank's share of a step: on the host as `read_batch` lays it out in a `Staging`
+    buffer, or on the device (`BatchFeed`).
 
     Rows of the drafter's output: block b's position k is row b*B+k. Label rows are the
-    block positions with a nonzero weight.
+    block positions with a nonzero weight. The context features travel as the cache stores
+    them (`features`) and are decoded where they are used (`context_features`).
     """
 
     segments: list[tuple[int, np.ndarray]]  # (context length, anchors [n]) per segment
     block_ids: torch.Tensor  # [Q] int64: x[a] then mask ids, block-major
-    context_features: torch.Tensor  # [C, L*H] ([C, r] basis codecs) bf16 (or float32 for fp8 caches, after scaling)
+    anchors: torch.Tensor  # [n] int64: every block's anchor, segment after segment
+    context_positions: torch.Tensor  # [C] int64: each context row's position in its sequence
+    features: list[FeatureRun]  # the C context rows, as stored
     label_rows: torch.Tensor  # [N] int64, into the Q drafter rows
     label_positions: torch.Tensor  # [N] int64, block position k in 1..B-1
     topk_ids: torch.Tensor  # [N, k] int64
@@ -351,96 +413,242 @@ class Batch:
     weights: torch.Tensor  # [N] float32, exp(-(k-1)/gamma)
     label_tokens: torch.Tensor  # [N] int64: x[a+k-1], the token before the one each label row predicts
     sequences: list[int]  # global sequence index per segment
+    decoded: torch.Tensor | None = field(default=None, repr=False)
+    """The decoded features, once asked for (or set: feature noise)."""
+
+    @property
+    def context_features(self) -> torch.Tensor:
+        """[C, L*H] ([C, r] basis codecs): bf16, or float32 when a run is fp8 (after scaling);
+        decoded on the features' device at the first use."""
+        if self.decoded is None:
+            self.decoded = decode_features(self.features)
+        return self.decoded
 
     @property
     def num_tokens(self) -> int:
         return int(self.block_ids.shape[0])
 
-    def to(self, device: torch.device) -> Batch:
-        """Tensors moved to `device` (non-blocking from pinned memory)."""
-        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSORS}
-        return Batch(segments=self.segments, sequences=self.sequences, **moved)
 
-
-_TENSORS = ("block_ids", "context_features", "label_rows", "label_positions", "topk_ids",
+_TENSORS = ("block_ids", "anchors", "context_positions", "label_rows", "label_positions", "topk_ids",
             "topk_logprobs", "weights", "label_tokens")
 
 
-def decode_features(raw, spec, stop: int) -> np.ndarray:
-    """Context features of positions [0, stop) of a raw row: [stop, L, H] ([stop, 1, r] for
-    basis codecs).
-
-    bf16 caches: uint16 bit patterns (a copy out of the mapping); fp8: float32 after the
-    per-token scales.
-    """
-    if spec.feature_codec in ("bf16", "basis-bf16"):
-        return np.array(raw.features[:stop])  # [stop, L, H] uint16 (bf16 bits)
-    codes = torch.from_numpy(np.array(raw.features[:stop])).view(torch.float8_e4m3fn).float()
-    scales = torch.from_numpy(np.array(raw.feature_scales[:stop], dtype=np.float32))  # a copy
-    while scales.dim() < codes.dim():
-        scales = scales[..., None]
-    return (codes * scales).numpy()
-
-
-def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anchors: int,
-               seed: int, block_size: int, gamma: float, mask_token_id: int, pin: bool = False) -> Batch:
-    """Read the rows of `segments` from the memory-mapped shards and lay out a batch.
+def read_batch(corpus: Corpus, segments: list[Segment], *, stream: int, plan_anchors: int, seed: int,
+               block_size: int, gamma: float, mask_token_id: int, staging: Staging | None = None) -> Batch:
+    """Read the rows of `segments` from the memory-mapped shards into `staging` (a fresh
+    buffer when None) and lay out a batch there.
 
     stream: the epoch (or EVAL_STREAM) the anchors are drawn for; plan_anchors: the cap on
-    anchors per sequence (anchors_per_seq).
+    anchors per sequence (anchors_per_seq). Every row is first opened (checked, when the
+    cache checks rows) and its anchors and labels found, which sizes the buffer; then each
+    part is copied once from the mapping into its place. Features stay encoded; a packed
+    top-k is decoded at the label positions only (the same values as a whole-row decode).
     """
     B = block_size
     weights_k = position_weights(B, gamma)  # [B]
-    layout_segments, sequences = [], []
-    block_ids, features = [], []
-    label_rows, label_positions, topk_ids, topk_logprobs, weights, label_tokens = [], [], [], [], [], []
-    row0 = 0
+    rows = []
     for seg in segments:
         cache, index = corpus.locate(seg.sequence)
-        raw = cache.raw(index)
+        raw = cache.raw(index, decode_topk=False)
         loss_mask = corpus.training_mask(raw.loss_mask)  # [T]
         T = loss_mask.shape[0]
         anchors = draw_anchors(loss_mask, plan_anchors, seed, stream, seg.sequence)[seg.first:seg.first + seg.count]
         assert anchors.shape[0] == seg.count, "the plan's anchor count disagrees with the row"
-        context_length = int(anchors[-1])  # positions < the last anchor are all anyone sees
-        layout_segments.append((context_length, anchors))
-        sequences.append(seg.sequence)
-        features.append(decode_features(raw, cache.spec, context_length))  # each cache its own codec
-        ids = np.full((anchors.shape[0], B), mask_token_id, dtype=np.int64)  # [n, B]
-        ids[:, 0] = np.asarray(raw.input_ids)[anchors]
-        block_ids.append(ids.reshape(-1))
         # Labels: block position k predicts x[a+k] from the distribution cached at a+k-1.
         target = anchors[:, None] + np.arange(B)[None, :]  # [n, B] positions a+k
         valid = target < T
         valid[valid] = loss_mask[target[valid]]
         valid[:, 0] = False
         blocks, ks = np.nonzero(valid)  # [N_seg] each
-        label_at = anchors[blocks] + ks - 1  # [N_seg] positions a+k-1
-        label_rows.append(row0 + blocks * B + ks)
-        label_positions.append(ks)
-        topk_ids.append(np.asarray(raw.topk_ids)[label_at])
-        topk_logprobs.append(np.asarray(raw.topk_logprobs)[label_at])
-        weights.append(weights_k[ks])
-        label_tokens.append(np.asarray(raw.input_ids)[label_at])
-        row0 += anchors.shape[0] * B
-    if all(part.dtype == np.uint16 for part in features):  # bf16 bits, kept bf16
-        context = torch.from_numpy(np.concatenate(features)).view(torch.bfloat16)
-    else:  # fp8 rows (dequantised to float32), perhaps beside bf16 rows of another cache
-        context = torch.cat([torch.from_numpy(part).view(torch.bfloat16).float() if part.dtype == np.uint16
-                             else torch.from_numpy(part) for part in features])
-    batch = Batch(
-        segments=layout_segments,
-        block_ids=torch.from_numpy(np.concatenate(block_ids)),
-        context_features=context.reshape(context.shape[0], -1),  # [C, L*H] or [C, r]
-        label_rows=torch.from_numpy(np.concatenate(label_rows).astype(np.int64)),
-        label_positions=torch.from_numpy(np.concatenate(label_positions).astype(np.int64)),
-        topk_ids=torch.from_numpy(np.concatenate(topk_ids).astype(np.int64)),
-        topk_logprobs=torch.from_numpy(np.concatenate(topk_logprobs).astype(np.float32)),
-        weights=torch.from_numpy(np.concatenate(weights)),
-        label_tokens=torch.from_numpy(np.concatenate(label_tokens).astype(np.int64)),
-        sequences=sequences,
-    )
-    if pin:
-        for name in _TENSORS:
-            setattr(batch, name, getattr(batch, name).pin_memory())
-    return batch
+        rows.append((cache.spec, raw, anchors, blocks, ks, int(anchors[-1])))  # context: positions < the last anchor
+    # Context rows go to one array per run of consecutive rows in one codec (a single run
+    # unless caches of both codecs train together).
+    runs: list[list] = []  # [codec, feature shape, rows]
+    places = []  # (run, first row in it) per segment
+    for spec, *_, context_length in rows:
+        if not runs or runs[-1][0] != spec.feature_codec:
+            runs.append([spec.feature_codec, tuple(spec.feature_shape), 0])
+        places.append((len(runs) - 1, runs[-1][2]))
+        runs[-1][2] += context_length
+    num_blocks = sum(r[2].shape[0] for r in rows)
+    num_labels = sum(r[3].shape[0] for r in rows)
+    num_context = sum(r[5] for r in rows)
+    k = corpus.spec.top_k
+    shapes = [((num_blocks * B,), torch.int64), ((num_blocks,), torch.int64), ((num_context,), torch.int64),
+              ((num_labels,), torch.int64), ((num_labels,), torch.int64), ((num_labels, k), torch.int64),
+              ((num_labels, k), torch.float32), ((num_labels,), torch.float32), ((num_labels,), torch.int64)]
+    for codec, shape, c in runs:
+        fp8 = codec in ("fp8", "basis-fp8")
+        shapes.append(((c, *shape), torch.uint8 if fp8 else torch.int16))
+        shapes.append(((c, shape[0]) if fp8 else (0,), torch.float32))
+    staging = staging or Staging()
+    parts = staging.parts(shapes)
+    tensors = dict(zip(_TENSORS, parts))
+    out = {name: t.numpy() for name, t in tensors.items()}
+    features = []
+    for j, (codec, _, _) in enumerate(runs):
+        codes, scales = parts[len(_TENSORS) + 2 * j], parts[len(_TENSORS) + 2 * j + 1]
+        features.append(FeatureRun(codec, codes, scales if codec in ("fp8", "basis-fp8") else None))
+    q0 = b0 = c0 = n0 = 0
+    layout_segments = []
+    for i, (spec, raw, anchors, blocks, ks, context_length) in enumerate(rows):
+        n, m = anchors.shape[0], blocks.shape[0]
+        ids = out["block_ids"][q0:q0 + n * B].reshape(n, B)
+        ids[:] = mask_token_id
+        input_ids = np.asarray(raw.input_ids)
+        ids[:, 0] = input_ids[anchors]
+        out["anchors"][b0:b0 + n] = anchors
+        out["context_positions"][c0:c0 + context_length] = np.arange(context_length)
+        label_at = anchors[blocks] + ks - 1  # [m] positions a+k-1
+        out["label_rows"][n0:n0 + m] = q0 + blocks * B + ks
+        out["label_positions"][n0:n0 + m] = ks
+        if raw.topk_packed is not None:  # decode each labelled position once (blocks overlap)
+            positions, inverse = np.unique(label_at, return_inverse=True)
+            topk_ids, topk_logprobs, _ = codecs.decode_topk_packed(raw.topk_packed[positions], k, spec.vocab_size)
+            topk_ids, topk_logprobs = topk_ids[inverse], topk_logprobs[inverse]
+        else:
+            topk_ids, topk_logprobs = np.asarray(raw.topk_ids)[label_at], np.asarray(raw.topk_logprobs)[label_at]
+        out["topk_ids"][n0:n0 + m] = topk_ids
+        out["topk_logprobs"][n0:n0 + m] = topk_logprobs
+        out["weights"][n0:n0 + m] = weights_k[ks]
+        out["label_tokens"][n0:n0 + m] = input_ids[label_at]
+        j, r0 = places[i]
+        codes = features[j].codes[r0:r0 + context_length].numpy()  # one copy out of the mapping
+        codes[:] = raw.features[:context_length].view(codes.dtype)
+        if features[j].scales is not None:
+            features[j].scales[r0:r0 + context_length].numpy()[:] = raw.feature_scales[:context_length]
+        layout_segments.append((context_length, anchors))
+        q0, b0, c0, n0 = q0 + n * B, b0 + n, c0 + context_length, n0 + m
+    return Batch(segments=layout_segments, features=features, sequences=[seg.sequence for seg in segments],
+                 **tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# Feeding the device
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One batch in flight: its host buffer and, on a GPU, its device buffer and events."""
+
+    host: Staging
+    device_buffer: torch.Tensor | None = None  # [capacity] uint8 on the device
+    copied: object = None  # torch.cuda.Event: the copy from `host` has finished
+    released: object = None  # torch.cuda.Event: the device is done with the batch in `device_buffer`
+
+
+@dataclass(eq=False)
+class Sent:
+    """A batch read and on its way to the device (`BatchFeed.read`), until `BatchFeed.receive`."""
+
+    batch: Batch
+    slot: _Slot
+    read_s: float
+    """Host seconds: opening the rows, laying them out, starting the copy."""
+    read_events: tuple | None = None
+    """(before, after) the read, on the compute stream: the device's idle time while it ran."""
+    wait_events: tuple | None = None
+    """(before, after) the compute stream waited for the copy (set by `receive`)."""
+
+
+class BatchFeed:
+    """Reads batches into reused host buffers and moves them to the device, in the caller's
+    thread: no worker, no queue.
+
+    Two slots: while the device computes with one slot's batch, the caller reads the next
+    batch into the other slot's host buffer (pinned) and starts its copy on a side stream;
+    the compute stream waits for that copy (on the device, not the host) only when it takes
+    the batch, and decodes the features there. A slot is refilled only after the copy out of
+    its host buffer has finished (an event the host waits for, normally long past) and,
+    on the device, after the compute stream released the batch it held (`release`). On a CPU
+    the same code runs with the host buffers as the device's: no copy, no events.
+
+    Timing (CUDA): events around each read and each wait measure how long the compute stream
+    sat idle for data (`device_wait_s`); on a CPU there is no such figure (None).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._slots = [_Slot(Staging(pin=self.cuda)) for _ in range(2)]
+        self._next = 0
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def read(self, read: Callable[[Staging], Batch]) -> Sent:
+        """`read(staging)` (a `read_batch` into the next slot's host buffer), then start the
+        batch's copy to the device."""
+        slot = self._slots[self._next]
+        self._next = 1 - self._next
+        before = self._event()
+        t0 = time.perf_counter()
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the slot's previous copy has left the host buffer
+        batch = read(slot.host)
+        if self.cuda:
+            batch = self._copy(batch, slot)
+        return Sent(batch, slot, time.perf_counter() - t0, None if before is None else (before, self._event()))
+
+    def receive(self, sent: Sent) -> Batch:
+        """The batch for the current stream: it waits (on the device) for the copy, then the
+        features are decoded there."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            before = self._event()
+            stream.wait_event(sent.slot.copied)
+            sent.wait_events = (before, self._event())
+            runs = sent.batch.features
+            for tensor in [*(getattr(sent.batch, name) for name in _TENSORS), *(run.codes for run in runs),
+                           *(run.scales for run in runs if run.scales is not None)]:
+                tensor.record_stream(stream)  # allocated on the side stream, used on this one
+        sent.batch.decoded = decode_features(sent.batch.features)
+        return sent.batch
+
+    def release(self, sent: Sent) -> None:
+        """The current stream has queued its last use of the batch: its slot may be refilled."""
+        if self.cuda:
+            sent.slot.released = self._event()
+
+    @staticmethod
+    def device_wait_s(reads: list[Sent], received: Sent) -> float | None:
+        """Seconds the compute stream sat idle for data in a step: during the host reads of
+        `reads` (launched work finished before the read did) and waiting for the copy of
+        `received`. None on a CPU. Call after a synchronisation that covers the events."""
+        if received.wait_events is None:
+            return None
+        pairs = [s.read_events for s in reads if s.read_events is not None] + [received.wait_events]
+        return sum(max(0.0, a.elapsed_time(b)) for a, b in pairs) / 1000.0
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _copy(self, batch: Batch, slot: _Slot) -> Batch:
+        """The batch re-viewed on the slot's device buffer, filled by one copy on the side stream."""
+        host, used = slot.host.buffer, slot.host.used_bytes
+        with torch.cuda.stream(self._stream):
+            if slot.released is not None:
+                self._stream.wait_event(slot.released)  # the device is done with the slot's last batch
+            if slot.device_buffer is None or slot.device_buffer.numel() < host.numel():
+                slot.device_buffer = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            device = slot.device_buffer
+            device[:used].copy_(host[:used], non_blocking=True)
+
+            def move(tensor: torch.Tensor) -> torch.Tensor:
+                if tensor.untyped_storage().data_ptr() != host.untyped_storage().data_ptr() \
+                        or not tensor.is_contiguous():  # made after the read (a DSpark relabelling)
+                    return tensor.to(self.device, non_blocking=True)
+                offset = tensor.data_ptr() - host.data_ptr()
+                size = tensor.numel() * tensor.element_size()
+                return device[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+
+            moved = dataclasses.replace(
+                batch, decoded=None, **{name: move(getattr(batch, name)) for name in _TENSORS},
+                features=[FeatureRun(run.codec, move(run.codes), None if run.scales is None else move(run.scales))
+                          for run in batch.features])
+            slot.copied = torch.cuda.Event()
+            slot.copied.record(self._stream)
+        return moved

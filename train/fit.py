@@ -4,13 +4,16 @@ logger), and `_train`, the loop, reads top to bottom.
 Each step: run the drafter over all blocks of this rank's batch at once, take the sparse
 KL (or CE) of the labelled block positions through the frozen LM head without forming
 logits, backpropagate; then read the next step's batch (the plan's segments for that step,
-a pure function of epoch and step, copied out of the memory-mapped shards) while the device
-still works through this step's kernels; reduce the figures over ranks, let the spike gate
-decide, step (or skip), every `checkpoint_every` steps take a host snapshot, log, and then
-hand the snapshot to the background writer (after the log line: see `_train`). There is
-nothing running beside the loop except that writer: the read-ahead is one batch, done by
-the loop itself. `data_time_s` is the time a step spent reading rows (the next step's; the
-first step also reads its own).
+a pure function of epoch and step, copied out of the memory-mapped shards into a pinned
+buffer, its copy to the device started on a side stream: train/data.py's BatchFeed) while
+the device still works through this step's kernels; reduce the figures over ranks, let the
+spike gate decide, step (or skip), every `checkpoint_every` steps snapshot the state (a
+device-side copy: train/checkpoint.py), log, and then hand the snapshot to the background
+writer (after the log line: see `_train`). There is nothing running beside the loop except
+that writer: the read-ahead is one batch, done by the loop itself. `data_time_s` is the
+host's time reading rows in a step (the next step's; the first step also reads its own);
+`gpu_data_wait_s` the time the device sat idle for them (CUDA events: during the read, and
+waiting for the copy; None on a CPU).
 
 Distributed: launched by `torchrun`, one process per device; DDP averages gradients (or
 FSDP2 shards the drafter, its gradients and optimizer state: `--parallel`, train/parallel.py). Each
@@ -51,7 +54,16 @@ from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
 from dflash.train import draft_vocab, dspark, parallel
 from dflash.train.checkpoint import CheckpointWriter, Snapshot, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
-from dflash.train.data import EVAL_STREAM, Corpus, DataPlan, decay_gamma, held_out_mask, read_batch
+from dflash.train.data import (
+    EVAL_STREAM,
+    BatchFeed,
+    Corpus,
+    DataPlan,
+    Sent,
+    decay_gamma,
+    held_out_mask,
+    read_batch,
+)
 from dflash.train.gating import SpikeGate
 from dflash.train.identity import caches_fingerprint, record_run_target
 from dflash.train.init_from import (
@@ -121,6 +133,10 @@ class Run:
     step: int
     """Global steps completed."""
     last_checkpoint: str | None
+    feed: BatchFeed
+    """Training batches to the device (two slots: this step's and the next)."""
+    eval_feed: BatchFeed
+    """Held-out batches, apart: an evaluation between two steps leaves the next step's batch alone."""
     step_times: list[float] = field(default_factory=list)
 
     @property
@@ -204,15 +220,16 @@ def _forget(run_dir: Path, created: bool, run: Run | None) -> None:
 def _train(run: Run) -> None:
     """The loop, from `run.step` to `run.total_steps` (or a SpikeStop)."""
     config, plan = run.config, run.plan
-    pending = None  # the next step's (batch, layout), read while the device computes
+    pending = None  # the next step's batch, read and sent to the device while the device computes
     if config.checkpoint.save_initial and run.step == 0:
         _save_checkpoint(run)
     while run.step < run.total_steps:
         t_start = time.perf_counter()
         step = run.step
         epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        batch, layout = pending if pending is not None else _read_step(run, step)
-        data_time_s = time.perf_counter() - t_start
+        reads = [] if pending is not None else [_read_step(run, step)]  # the reads this step does
+        sent = pending or reads[0]
+        batch, layout = _receive(run, run.feed, sent)
         start, stop = plan.step_blocks(step_in_epoch)
         tokens = (stop - start) * config.model.block_size  # global block tokens of this step
 
@@ -222,21 +239,25 @@ def _train(run: Run) -> None:
         # Global label weight first, so every rank scales its summed loss the same way.
         weight_sum = _all_reduce(batch.weights.sum().double(), run.world_size)
         if config.data.feature_noise:
-            batch = dataclasses.replace(batch, context_features=feature_noise(
-                batch.context_features, config.data.feature_noise, seed=config.data.seed, rank=run.rank, step=step))
+            batch.decoded = feature_noise(batch.context_features, config.data.feature_noise, seed=config.data.seed,
+                                          rank=run.rank, step=step)
         loss_sum, argmax = forward_loss(run, batch, layout)
         (loss_sum * (run.world_size / weight_sum).float()).backward()
-        # Read the next step's rows now: CUDA kernels run asynchronously, so the read
-        # overlaps this step's compute until the first value is needed below (on CPU it is
-        # the same read, only earlier). Still no thread and no queue: one batch ahead.
-        t_read = time.perf_counter()
+        # Read the next step's rows now and start their copy: CUDA kernels run asynchronously,
+        # so the read overlaps this step's compute until the first value is needed below (on
+        # CPU it is the same read, only earlier). Still no thread and no queue: one batch ahead.
         pending = _read_step(run, step + 1) if step + 1 < run.total_steps else None
-        data_time_s += time.perf_counter() - t_read
+        reads += [pending] if pending is not None else []
         grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optimizer.grad_clip))
         loss, accuracy = _step_figures(run, batch, loss_sum, argmax, weight_sum)
+        run.feed.release(sent)
+        data_time_s = sum(read.read_s for read in reads)  # the host's reading
+        gpu_data_wait_s = BatchFeed.device_wait_s(reads, sent)  # the device's waiting (None on a CPU)
 
         reason = run.gate.reason_to_skip(loss, grad_norm)
         if reason is None:
+            if run.writer is not None:
+                run.writer.before_update()  # a snapshot still being copied to the host is of this state
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.gate.record(loss, grad_norm, skipped=reason is not None)
@@ -252,7 +273,7 @@ def _train(run: Run) -> None:
             "epoch_fraction": (step_in_epoch + 1) / plan.steps_per_epoch, "loss": loss,
             "accuracy": accuracy, "grad_norm": grad_norm, "lr": lr, "skipped": reason is not None,
             "tokens": tokens, "tokens_per_s": tokens / step_time_s, "data_time_s": data_time_s,
-            "step_time_s": step_time_s,
+            "gpu_data_wait_s": gpu_data_wait_s, "step_time_s": step_time_s,
         }, always_print=reason is not None)
         if reason is not None:
             _handle_spike(run, epoch, step_in_epoch, loss, grad_norm, reason, stopping)
@@ -278,10 +299,11 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     is_main = rank == 0
     _barrier(world_size)  # rank 0 made and locked the folder (_fit)
 
-    # Row checks on: every row's crc32 (zlib, about 7 GB/s) is verified as it is read, so a
-    # flipped bit in the cache is an error naming the shard, never trained on. It costs a small
-    # fraction of the data time, itself far under 1% of a step (bench/train_step.py).
-    caches = [open_cache(path, check_rows=True) for path in config.cache]
+    # Row checks on: every row's crc32 is verified the first time the run reads it, so a flipped
+    # bit in the cache is an error naming the shard, never trained on. zlib's crc32 (2-7 GB/s by
+    # machine) is most of a first read's host time; later epochs skip it (the mapping is
+    # read-only), and the read is hidden under the device's step either way (bench/train_step.py).
+    caches = [open_cache(path, check_rows=True, check_once=True) for path in config.cache]
     fingerprint, warnings = caches_fingerprint(caches)  # refuses caches of different targets
     # The first start counts every sequence's anchors, split over the ranks; a resume reads the
     # index rank 0 stored then.
@@ -349,7 +371,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                gamma=gamma, total_steps=total_steps, planned_epochs=math.ceil(total_steps / plan.steps_per_epoch),
                model=model, wrapped=wrapped, parallel_kind=parallel_kind, head=head, optimizer=optimizer,
                gate=gate, writer=writer, logger=logger, step=step,
-               last_checkpoint=str(resume_from) if resume_from else None)
+               last_checkpoint=str(resume_from) if resume_from else None, feed=BatchFeed(device),
+               eval_feed=BatchFeed(device))
 
 
 def initial_weights(model: DFlashDrafter, config: ModelConfig, head: TargetHead, target_dir: Path) -> None:
@@ -514,22 +537,42 @@ def _same_cpu_threads(state: dict, device: torch.device) -> None:
 # -- one step ------------------------------------------------------------------------------
 
 
-def _read(run: Run, plan: DataPlan, stream: int, step_in_stream: int, pin: bool = False):
-    """This rank's (batch, layout) of `plan`'s step `step_in_stream` of `stream`, on the device."""
+def _read(run: Run, feed: BatchFeed, plan: DataPlan, stream: int, step_in_stream: int) -> Sent:
+    """Read this rank's batch of `plan`'s step `step_in_stream` of `stream` into `feed`'s next
+    slot and start its copy to the device."""
     B = run.config.model.block_size
     labels = run.drafter_config.num_drafts + 1  # the block the labels are read for: B, or B + 1 (DSpark)
-    batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
-                       plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed, block_size=labels,
-                       gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id, pin=pin)
-    if labels != B:
-        batch = dspark.anchor_batch(batch, B)
-    return batch.to(run.device), BlockLayout.build(batch.segments, B, device=run.device)
+
+    def read(staging):
+        batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
+                           plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed,
+                           block_size=labels, gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id,
+                           staging=staging)
+        return dspark.anchor_batch(batch, B) if labels != B else batch
+
+    return feed.read(read)
 
 
-def _read_step(run: Run, step: int):
-    """This rank's (batch, layout) of global training step `step`, on the device."""
+def _read_step(run: Run, step: int) -> Sent:
+    """This rank's batch of global training step `step`, on its way to the device."""
     epoch_index, step_in_epoch = divmod(step, run.plan.steps_per_epoch)
-    return _read(run, run.plan, epoch_index, step_in_epoch, pin=run.device.type == "cuda")
+    return _read(run, run.feed, run.plan, epoch_index, step_in_epoch)
+
+
+def _receive(run: Run, feed: BatchFeed, sent: Sent):
+    """(batch, layout) on the device, for the current stream: the layout's index tensors come
+    with the batch (no host-to-device copy that would wait for the device's queue)."""
+    batch = feed.receive(sent)
+    B = run.config.model.block_size
+    context_lengths = [length for length, _ in batch.segments]
+    num_blocks = [len(anchors) for _, anchors in batch.segments]
+    layout = BlockLayout(
+        block_size=B, context_lengths=context_lengths, num_blocks=num_blocks, anchors=batch.anchors,
+        context_positions=batch.context_positions,
+        block_positions=(batch.anchors[:, None] + torch.arange(B, device=batch.anchors.device)[None, :]).reshape(-1),
+        context_offsets=np.concatenate([[0], np.cumsum(context_lengths)[:-1]]).astype(int).tolist(),
+        block_offsets=np.concatenate([[0], np.cumsum(num_blocks)[:-1]]).astype(int).tolist())
+    return batch, layout
 
 
 def forward_loss(run: Run, batch, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -645,14 +688,14 @@ def _json_float(value: float) -> float | str:
 
 
 def _save_checkpoint(run: Run) -> None:
-    """Hand a host snapshot of the state after `run.step` steps to the background writer."""
+    """Hand a snapshot of the state after `run.step` steps to the background writer."""
     snapshot = _snapshot_checkpoint(run)
     if snapshot is not None:
         run.writer.start(snapshot)
 
 
 def _snapshot_checkpoint(run: Run) -> Snapshot | None:
-    """A host snapshot of the state after `run.step` steps, for `run.writer.start` (None on
+    """A snapshot of the state after `run.step` steps, for `run.writer.start` (None on
     the ranks that do not write; a collective under FSDP2)."""
     if run.writer is None and run.parallel_kind != "fsdp":
         return None
@@ -708,7 +751,8 @@ def evaluate_held_out(run: Run) -> dict:
     # [loss sum, weight sum, blocks, accepted, correct per position (B), rows per position (B)]
     totals = torch.zeros(4 + 2 * B, dtype=torch.float64, device=device)
     for step in range(steps):
-        batch, layout = _read(run, plan, EVAL_STREAM, step)
+        sent = _read(run, run.eval_feed, plan, EVAL_STREAM, step)
+        batch, layout = _receive(run, run.eval_feed, sent)
         loss_sum, argmax = forward_loss(run, batch, layout)
         hit = argmax == _top1(batch)  # [N] bool
         match = torch.zeros(layout.num_queries, dtype=torch.bool, device=device)  # [Q]
@@ -720,6 +764,7 @@ def evaluate_held_out(run: Run) -> dict:
                          accepted.double().sum()]),
             torch.bincount(batch.label_positions, weights=hit.double(), minlength=B),
             torch.bincount(batch.label_positions, minlength=B).double()])
+        run.eval_feed.release(sent)
     run.wrapped.train(was_training)
     totals = _all_reduce(totals, plan.world_size).tolist()
     correct, counted = totals[4:4 + B], totals[4 + B:]

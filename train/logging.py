@@ -29,7 +29,7 @@ from dflash.shards.files import write_atomic
 from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, SPIKES_FILE, WANDB_ID_FILE
 
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",
-             "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "step_time_s")
+             "lr", "skipped", "tokens", "tokens_per_s", "data_time_s", "gpu_data_wait_s", "step_time_s")
 
 
 def tau_estimate(accuracy: list[float | None]) -> float:
@@ -117,7 +117,7 @@ class RunLogger:
         assert tuple(record) == STEP_KEYS, f"metrics keys {tuple(record)} != {STEP_KEYS}"
         self._metrics.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            flat = {k: v for k, v in record.items() if k != "accuracy"}
+            flat = {k: v for k, v in record.items() if k != "accuracy" and v is not None}  # CPU: no GPU wait
             flat.update({f"accuracy/{k + 1}": a for k, a in enumerate(record["accuracy"])})
             self._wandb_step = max(self._wandb_step, record["step"])
             self._wandb.log(flat, step=self._wandb_step)

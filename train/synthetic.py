@@ -23,9 +23,12 @@ def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_si
                            num_layers: int, layer_ids: list[int], num_attention_heads: int,
                            num_key_value_heads: int, head_dim: int, intermediate_size: int,
                            mask_token_id: int | None = None, seed: int = 0,
-                           dtype: torch.dtype = torch.bfloat16) -> None:
+                           dtype: torch.dtype = torch.bfloat16, distinct_rows: int | None = None) -> None:
     """Write config.json, target.json and head.safetensors for an imaginary Qwen3 target, as
-    one folder published atomically (an existing one is replaced), as stage one does."""
+    one folder published atomically (an existing one is replaced), as stage one does.
+
+    distinct_rows: draw only this many embedding and head rows and repeat them down the
+    vocabulary (a benchmark's multi-GB head in seconds instead of a minute of sampling)."""
     from safetensors.torch import save_file
 
     config = {
@@ -42,8 +45,11 @@ def write_synthetic_target(target_dir: str | Path, *, vocab_size: int, hidden_si
         bos_token_id=None, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
         dtype=str(dtype).removeprefix("torch."))
     generator = torch.Generator().manual_seed(seed)
-    embed = torch.randn(vocab_size, hidden_size, generator=generator) * 0.5  # [V, H]
-    head = torch.randn(vocab_size, hidden_size, generator=generator) / hidden_size ** 0.5  # [V, H]
+    rows = vocab_size if distinct_rows is None else min(distinct_rows, vocab_size)
+    repeat = -(-vocab_size // rows)
+    embed = (torch.randn(rows, hidden_size, generator=generator) * 0.5).to(dtype)  # [rows, H]
+    head = (torch.randn(rows, hidden_size, generator=generator) / hidden_size ** 0.5).to(dtype)  # [rows, H]
+    embed, head = (t.repeat(repeat, 1)[:vocab_size] for t in (embed, head))  # [V, H]
     norm = 1.0 + 0.25 * torch.randn(hidden_size, generator=generator)  # [H] the final norm's scale
     with atomic_dir(target_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))

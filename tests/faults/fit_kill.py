@@ -2,7 +2,7 @@
 a step or of a checkpoint, then a resume.
 
 The planned points, across a step and its checkpoint: inside the step (after its optimizer
-update, before or after the gate's record), inside the host snapshot (after a fraction of
+update, before or after the gate's record), inside the snapshot's copy (after a fraction of
 the tensors are copied), with the background write finished before the step's metrics line
 (the main thread descheduled while the writer runs: "before-step-line"), a half-written
 model.safetensors or optimizer.pt, before the fsync, before or after the rename, while
@@ -101,8 +101,8 @@ def install_kill_point(step: int, point: str, fraction: float) -> None:
     """Make this process SIGKILL itself at `point` of step `step` or of its checkpoint.
 
     Points: "in-step" (after the step's optimizer update: before the gate records it when
-    `fraction` < 0.5, after otherwise), "snapshot" (after `fraction` of the host snapshot's
-    tensors are copied), "before-step-line" (the checkpoint's background write is let finish,
+    `fraction` < 0.5, after otherwise), "snapshot" (after `fraction` of the snapshot's
+    tensors are copied into its buffers), "before-step-line" (the checkpoint's background write is let finish,
     then the kill, before the step's metrics line: the main thread descheduled while the writer
     runs, as on a loaded machine), "model.safetensors" / "optimizer.pt" (that file is cut to `fraction` of its size,
     then the kill: a half-written file in the temporary folder), "before-fsync" (every file
@@ -132,7 +132,7 @@ def install_kill_point(step: int, point: str, fraction: float) -> None:
 
         gating.SpikeGate.record = record
     elif point == "snapshot":
-        real_snapshot, real_to_host = checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._to_host
+        real_snapshot, real_copy = checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._copy
         copies = {"left": None}
 
         def snapshot(self, at_step, model_state, optimizer_state, state):
@@ -141,14 +141,14 @@ def install_kill_point(step: int, point: str, fraction: float) -> None:
                 copies["left"] = int(fraction * (len(model_state) + num_optimizer))
             return real_snapshot(self, at_step, model_state, optimizer_state, state)
 
-        def to_host(self, key, tensor):
+        def copy(self, key, tensor, where):  # each tensor's copy into its snapshot buffer
             if copies["left"] is not None:
                 if copies["left"] == 0:
                     die()
                 copies["left"] -= 1
-            return real_to_host(self, key, tensor)
+            return real_copy(self, key, tensor, where)
 
-        checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._to_host = snapshot, to_host
+        checkpoint.CheckpointWriter.snapshot, checkpoint.CheckpointWriter._copy = snapshot, copy
     elif point == "before-step-line":
         real_step = logging.RunLogger.step
 
