@@ -9,8 +9,10 @@ script reads them back and prints:
   which of its checks are correctness checks: a script exits non-zero on a failed correctness
   check and zero on a missed goal (a speed or memory target), so a FAIL in a section that
   exited 0 is reported as a missed goal, not as a failure;
-- the section's scalar figures (every numeric leaf of its JSON outside the check lists), so that
-  a reading can be copied into bench/RESULTS.md without re-running anything;
+- the goal lines a section printed itself (lines of its log that start with PASS, FAIL or n/a);
+- the section's scalar figures (the numeric leaves of its JSON outside the check lists, lists
+  and per-parameter gradient tables, which stay in the section's own log above), so that a
+  reading can be copied into bench/RESULTS.md without re-running anything;
 - with --json, one JSON object as the last line: {"sections": {name: {"rc", "seconds", "json"}},
   "failed": [...], "goals_missed": [...]}.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 
@@ -52,14 +55,19 @@ def split(node, path: str, checks: list[dict], figures: dict[str, float]) -> Non
             checks.append(node)
             return
         for key, value in node.items():
+            if "gradient" in str(key):
+                continue
             split(value, f"{path}.{key}" if path else str(key), checks, figures)
     elif isinstance(node, list):
-        for i, value in enumerate(node):
-            split(value, f"{path}[{i}]", checks, figures)
+        for value in node:  # checks may sit in lists; a list's figures stay in the log
+            split(value, "", checks, {})
     elif isinstance(node, bool):
         return
     elif isinstance(node, (int, float)) and math.isfinite(node):
         figures[path] = node
+
+
+GOAL_LINE = re.compile(r"^\s*(PASS|FAIL|n/a)\s")
 
 
 def read_section(logs: Path, name: str) -> dict:
@@ -72,7 +80,8 @@ def read_section(logs: Path, name: str) -> dict:
     figures: dict[str, float] = {}
     if report is not None:
         split(report, "", checks, figures)
-    return {"rc": rc, "seconds": seconds, "json": report, "checks": checks, "figures": figures,
+    goals = [line.strip() for line in log.splitlines() if GOAL_LINE.match(line)]
+    return {"rc": rc, "seconds": seconds, "json": report, "checks": checks, "figures": figures, "goals": goals,
             "tail": log.strip().splitlines()[-5:]}
 
 
@@ -99,9 +108,15 @@ def main() -> None:
         for check in section["checks"]:
             mark = "PASS" if check["ok"] else "FAIL"
             limit = check.get("limit")
-            print(f"{'':<26}{mark} {check['check']}: {check.get('value')!s:.10} (limit {limit})")
+            value = check.get("value")
+            value = f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+            print(f"{'':<26}{mark} {check['check']}: {value} (limit {limit})")
             if not check["ok"] and section["rc"] == 0:
                 goals_missed.append(f"{name}: {check['check']}")
+        for line in section["goals"]:
+            print(f"{'':<26}{line}")
+            if line.startswith("FAIL") and section["rc"] == 0:
+                goals_missed.append(f"{name}: {line[4:].strip()}")
         for key, value in section["figures"].items():
             print(f"{'':<26}  {key} = {value:.6g}")
     print(f"gpu_check: {'FAIL: ' + '; '.join(failed) if failed else 'every section ran, no correctness failure'}")

@@ -40,6 +40,7 @@ def test_read_section_splits_checks_from_figures(tmp_path):
     (0, [json.dumps({"checks": [{"check": "mfu", "value": 0.3, "limit": 0.5, "ok": False}]})], 0, 1),
     (1, [json.dumps({"checks": [{"check": "parity", "value": 1.0, "limit": 1e-4, "ok": False}]})], 1, 0),
     (124, ["Traceback ...", "killed"], 1, 0),
+    (0, ["PASS goal: wall <= 1.3 x forward (1.1 x)", "FAIL goal: forward >= 35% of 790 TFLOP/s (20%)", "{}"], 0, 1),
 ])
 def test_report_tells_failures_from_missed_goals(tmp_path, rc, lines, failed, missed):
     write_section(tmp_path, "sec", lines, rc=rc, seconds=3)
