@@ -23,9 +23,8 @@ sha256), timed step by step here with the library's own functions; `device`, the
 stage one runs now (`dflash.precompute.device_codecs` on the device, then
 `CacheWriter.add` of the encoded bytes, whose per-part timers this reads) with
 `--shard-checksum sha256`; and `device-xxh3`, the same with xxh3-128, stage one's
-default. Times are CPU
-seconds of the thread that did the work (fsync: wall), so a machine shared with other jobs
-does not inflate them much; "after copy" sums everything past the copy to the host, which
+default. Times are CPU seconds of the thread that did the work (fsync: wall), so a machine
+shared with other jobs does not inflate them much; "after copy" sums everything past the copy to the host, which
 is what one host core must keep up with.
 
 `--mode forward` builds a small random Llama (5 x 2048 features) and runs
