@@ -14,7 +14,7 @@ by part, the main loop's wait on the writer), then the goals as PASS/FAIL lines:
 
 Correctness checks, which alone set a non-zero exit: the device fp8 and bf16 encoders give
 the numpy codecs' bytes on this device (adversarial values), and `dflash-shards verify`
-passes on the cache (every shard's sha256 and every row's crc32).
+passes on the cache (every shard's checksum, xxh3-128 by default, and every row's crc32).
 
 Sizing (H200, at most about 90 s in all at the default `--budget-s 40`): model build and save
 about 15 s, load about 10 s, verify about 10 s; the records hold about `--budget-s` x 5,000

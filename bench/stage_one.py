@@ -21,10 +21,10 @@ for three paths over the same tensors: `legacy`, the path before issue 41 (featu
 to the host as bf16, validated in the caller, encoded in numpy, the shard re-read for its
 sha256), timed step by step here with the library's own functions; `device`, the path
 stage one runs now (`dflash.precompute.device_codecs` on the device, then
-`CacheWriter.add` of the encoded bytes, whose per-part timers this reads); and
-`device-xxh3`, the same with `--shard-checksum xxh3-128`. Times are CPU
-seconds of the thread that did the work (fsync: wall), so a machine shared with other jobs
-does not inflate them much; "after copy" sums everything past the copy to the host, which
+`CacheWriter.add` of the encoded bytes, whose per-part timers this reads) with
+`--shard-checksum sha256`; and `device-xxh3`, the same with xxh3-128, stage one's
+default. Times are CPU seconds of the thread that did the work (fsync: wall), so a machine
+shared with other jobs does not inflate them much; "after copy" sums everything past the copy to the host, which
 is what one host core must keep up with.
 
 `--mode forward` builds a small random Llama (5 x 2048 features) and runs
@@ -337,7 +337,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("host", "forward"), default="host")
     parser.add_argument("--codecs", default="bf16,fp8,basis-fp8", help="host mode: feature codecs, comma-separated")
     parser.add_argument("--paths", default="legacy,device,device-xxh3",
-                        help="host mode: legacy, device (sha256 shard checksums), device-xxh3 (xxh3-128)")
+                        help="host mode: legacy, device (sha256 shard checksums), "
+                             "device-xxh3 (xxh3-128, stage one's default)")
     parser.add_argument("--feature-rank", type=int, default=1024, help="host mode: the basis codecs' rank")
     parser.add_argument("--num-batches", type=int, default=2, help="host mode: stub batches per codec and path")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch")

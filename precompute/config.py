@@ -87,10 +87,12 @@ class PrecomputeConfig:
     """How long a rank waits for the others at a collective before it fails."""
     progress: bool = field(default=True, metadata={RESUMABLE: True})
     """Progress bar on stderr (rank 0)."""
-    shard_checksum: Literal["sha256", "xxh3-128"] = field(default="sha256", metadata={RESUMABLE: True})
-    """Each shard's checksum in the manifest: sha256, or xxh3-128 (about 7x less CPU per byte, for hosts
-    that must keep up with fast GPUs; needs the xxhash package; readers before manifest version 3 refuse
-    the cache). The shards are the same bytes either way."""
+    shard_checksum: Literal["xxh3-128", "sha256"] = field(default="xxh3-128", metadata={RESUMABLE: True})
+    """Each shard's checksum in the manifest: xxh3-128 (the default: about 7x less CPU per byte than
+    sha256, so that one core keeps up with a fast GPU; it detects damage, not tampering; the manifest
+    is format version 3, which readers before it refuse), or sha256 (a cryptographic hash, readable by
+    older readers). The shards are the same bytes either way; a resumed cache keeps its shards' own
+    checksums, so it may mix the two."""
     writer_thread: Literal["auto", "on", "off"] = field(default="auto", metadata={RESUMABLE: True})
     """Write shards in a background thread while the target computes the next batch: auto (on a GPU;
     on a CPU the thread would compete with the forward for the cores), on or off. The shards are the

@@ -120,9 +120,11 @@ def publish_readable(folder: Path) -> None:
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-# A shard's checksum in the manifest: the entry's field for each algorithm. sha256 is the
-# default; xxh3-128 (the `xxhash` package) hashes about 7x faster on one core, for producers
-# whose host must keep up with a GPU, and makes the manifest format version 3.
+# A shard's checksum in the manifest: the entry's field for each algorithm. xxh3-128 (the
+# `xxhash` package) hashes about 7x faster on one core than sha256, so that stage one's host
+# keeps up with its GPU: dflash-precompute's default; it makes the manifest format version 3.
+# sha256 (cryptographic, read by older readers) is CacheWriter's default, for the writers
+# that no GPU paces (transcode, synthetic caches) and `--shard-checksum sha256`.
 SHARD_CHECKSUM_FIELDS = {"sha256": "sha256", "xxh3-128": "xxh3_128"}
 
 

@@ -13,6 +13,7 @@ from dflash.precompute.basis import sample_positions
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.basis import BASIS_FILE
+from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import (
     RECORDS,
     build_target,
@@ -88,7 +89,8 @@ def test_kill_then_resume_reuses_the_basis(target, data, tmp_path, one_rank):
     cache = open_cache(tmp_path / "cache")
     assert (tmp_path / "cache" / BASIS_FILE).read_bytes() == written
     assert cache.feature_basis_sha256 == one_rank.feature_basis_sha256
-    assert [s["sha256"] for s in cache.manifest["shards"]] == [s["sha256"] for s in one_rank.manifest["shards"]]
+    assert [shard_checksum(s) for s in cache.manifest["shards"]] == \
+        [shard_checksum(s) for s in one_rank.manifest["shards"]]
 
 
 def test_overwrite_refits_and_a_foreign_basis_is_refused(target, data, tmp_path, one_rank):

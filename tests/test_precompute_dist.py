@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache
 from dflash.shards.cli import main as shards_main
+from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import (
     RECORDS,
     SUBPROCESS_ENV as ENV,
@@ -108,7 +109,8 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(target, data, tmp_path, 
     assert summary.resumed_sequences == 5  # 4 rows in sealed shards + the reject sealed with them
     assert summary.written_sequences == len(RECORDS) - 4
     cache = open_cache(tmp_path / "cache")
-    assert [s["sha256"] for s in cache.manifest["shards"]] == [s["sha256"] for s in one_rank.manifest["shards"]]
+    assert [shard_checksum(s) for s in cache.manifest["shards"]] == \
+        [shard_checksum(s) for s in one_rank.manifest["shards"]]
     assert cache.manifest["sequences"] == one_rank.manifest["sequences"]
     for i in range(len(cache)):
         a, b = cache[i], one_rank[i]

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 
 import dflash.precompute.target as target_module
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
-from dflash.shards.files import file_sha256
+from dflash.shards.files import file_digest, file_sha256
+from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import RECORDS, build_target, killed_precompute, precompute_config, write_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
@@ -49,8 +51,8 @@ def test_writer_thread_and_device_encoding_keep_the_bytes(reference, target, dat
     summary = run_precompute(precompute_config(target, data, tmp_path / "cache", feature_codec=codec,
                                                writer_thread="on"))
     assert digests(tmp_path / "cache") == digests(expected)
-    assert [s["sha256"] for s in open_cache(tmp_path / "cache").manifest["shards"]] == \
-        [s["sha256"] for s in open_cache(expected).manifest["shards"]]
+    assert [shard_checksum(s) for s in open_cache(tmp_path / "cache").manifest["shards"]] == \
+        [shard_checksum(s) for s in open_cache(expected).manifest["shards"]]
     assert (summary.encode_s > 0) == on_device
 
 
@@ -106,3 +108,40 @@ def test_xxh3_shard_checksums_keep_the_shards_and_make_manifest_version_3(refere
     monkeypatch.setattr("dflash.shards.spec.READ_VERSIONS", (1, 2))  # a reader from before version 3
     with pytest.raises(ValueError, match="format version 3"):
         open_cache(out)
+
+
+def test_an_old_sha256_cache_resumes_under_the_xxh3_default(reference, target, data, tmp_path):
+    """A cache killed while a version before the xxh3-128 default wrote it (sha256, the same
+    bytes as `--shard-checksum sha256` today) resumes with the default: the sealed shards keep
+    their sha256, the rest get xxh3-128, and the mixed manifest (version 3) verifies."""
+    codec, expected = reference
+    out = tmp_path / "cache"
+    killed = killed_precompute(precompute_config(target, data, out, feature_codec=codec, shard_checksum="sha256"), 4)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    sealed = {p.stem: json.loads(p.read_text())["sha256"] for p in (out / "shards").glob("rank00000-?????.json")}
+    config = precompute_config(target, data, out, feature_codec=codec)
+    assert config.shard_checksum == "xxh3-128"  # the default
+    summary = run_precompute(config)
+    assert summary.resumed_sequences > 0
+    assert digests(out) == digests(expected)
+    manifest = open_cache(out).manifest
+    checksums = [shard_checksum(s) for s in manifest["shards"]]
+    assert 0 < len(sealed) < len(checksums)
+    assert [a for a, _ in checksums] == ["sha256"] * len(sealed) + ["xxh3-128"] * (len(checksums) - len(sealed))
+    for (algorithm, digest), entry in zip(checksums, manifest["shards"]):
+        assert file_digest(out / entry["path"], algorithm) == digest
+        if algorithm == "sha256":  # kept from the killed run's records, not recomputed
+            assert sealed[Path(entry["path"]).stem] == digest
+    assert manifest["format_version"] == 3
+    assert verify_cache(out)["ok"]
+
+
+def test_a_finished_sha256_cache_is_left_as_it_is_under_the_default(target, data, tmp_path):
+    out = tmp_path / "cache"
+    run_precompute(precompute_config(target, data, out, feature_codec="fp8", shard_checksum="sha256"))
+    before = (out / "manifest.json").read_bytes()
+    manifest = json.loads(before)
+    assert manifest["format_version"] == 1
+    assert all(shard_checksum(s) == ("sha256", file_sha256(out / s["path"])) for s in manifest["shards"])
+    assert run_precompute(precompute_config(target, data, out, feature_codec="fp8")).already_complete
+    assert (out / "manifest.json").read_bytes() == before

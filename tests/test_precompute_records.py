@@ -17,6 +17,7 @@ from dflash.precompute.pipeline import NO_REPLY
 from dflash.precompute.run import run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache
+from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import (
     RECORDS,
     build_target,
@@ -95,4 +96,5 @@ def test_regenerated_basis_run_killed_then_resumed_writes_the_same_shards(target
     assert resumed.resumed_sequences >= 2  # the first shard survived the kill
     whole, cache = open_cache(tmp_path / "whole"), open_cache(tmp_path / "cache")
     assert cache.feature_basis_sha256 == whole.feature_basis_sha256
-    assert [s["sha256"] for s in cache.manifest["shards"]] == [s["sha256"] for s in whole.manifest["shards"]]
+    assert [shard_checksum(s) for s in cache.manifest["shards"]] == \
+        [shard_checksum(s) for s in whole.manifest["shards"]]

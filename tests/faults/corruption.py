@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.shards.files import SHARD_CHECKSUM_FIELDS
+from dflash.shards.reader import shard_checksum
 from tests.faults.workspace import Outcome, Workspace, describe, fit_in_process
 
 CORRUPTIONS = ["truncated shard", "bit flips in a shard", "bit flip in row data", "footer damage",
@@ -111,8 +113,9 @@ def _damage_manifest(path: Path, manifest: dict, rng: np.random.Generator, how: 
         description = f"manifest key {prefix}{key} removed"
     elif how == "checksum changed":
         shard = manifest["shards"][int(rng.integers(0, len(manifest["shards"])))]
-        shard["sha256"] = hashlib.sha256(rng.bytes(8)).hexdigest()
-        description = f"manifest sha256 of {shard['path']} changed"
+        algorithm, digest = shard_checksum(shard)  # sha256, or xxh3-128 (stage one's default)
+        shard[SHARD_CHECKSUM_FIELDS[algorithm]] = hashlib.sha256(rng.bytes(8)).hexdigest()[:len(digest)]
+        description = f"manifest {algorithm} of {shard['path']} changed"
     elif how == "length changed":
         lengths = manifest["sequences"]["length"]
         i = int(rng.integers(0, len(lengths)))

@@ -507,15 +507,18 @@ def compare_caches(cache_dir: Path, reference_dir: Path) -> list[str]:
     """Differences between a cache and the uninterrupted run's: shard list and checksums,
     sequences, rejects, target files, every decoded row; plus verify's verdict."""
     from dflash.shards import open_cache, verify_cache
+    from dflash.shards.reader import shard_checksum
 
     problems = []
     try:
         cache, reference = open_cache(cache_dir), open_cache(reference_dir)
     except ValueError as error:
         return [f"the cache does not open: {error}"]
-    keys = ("path", "sha256", "num_bytes", "num_sequences", "num_tokens")
-    shards = [{k: s[k] for k in keys} for s in cache.manifest["shards"]]
-    if shards != [{k: s[k] for k in keys} for s in reference.manifest["shards"]]:
+    def entries(manifest: dict) -> list[dict]:  # the checksum is sha256 or xxh3-128, as each shard records
+        keys = ("path", "num_bytes", "num_sequences", "num_tokens")
+        return [{**{k: s[k] for k in keys}, "checksum": shard_checksum(s)} for s in manifest["shards"]]
+
+    if entries(cache.manifest) != entries(reference.manifest):
         problems.append("the manifest's shard list or per-shard checksums differ from the uninterrupted run's")
     for key in ("sequences", "source_files", "num_rejected"):
         if cache.manifest[key] != reference.manifest[key]:
