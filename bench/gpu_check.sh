@@ -80,7 +80,6 @@ if ! "$PY" -c "import dflash.kernels, dflash.train, dflash.testing" >/dev/null 2
   ln -s "$REPO/kernel" "$SHIM/dflash/kernels"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # bench.* (the scripts import each other)
 "$PY" - "$REPO" <<'PYEOF' || exit 2
 import os, sys, torch, triton
 import dflash.kernels
@@ -98,12 +97,12 @@ for entry in $SECTIONS; do
   name="${entry%%:*}"
   limit="${entry##*:}"
   case "$name" in
-    kernel) cmd=(bench/gpu_kernel_check.py --json --budget-s $((limit - 15))) ;;
-    train_path) cmd=(bench/gpu_train_check.py --json) ;;
+    kernel) cmd=(-m bench.gpu_kernel_check --json --budget-s $((limit - 15))) ;;
+    train_path) cmd=(-m bench.gpu_train_check --json) ;;
     # --budget-s here sizes the records (the forward's time); building the 1.6 B target comes on top
-    stage_one) cmd=(bench/gpu_stage_one.py --json --budget-s 30) ;;
-    stage_two) cmd=(bench/gpu_stage_two.py --json --budget-s $((limit - 10))) ;;
-    online_eval) cmd=(bench/gpu_online_eval.py --json --budget-s $((limit - 10))) ;;
+    stage_one) cmd=(-m bench.gpu_stage_one --json --budget-s 30) ;;
+    stage_two) cmd=(-m bench.gpu_stage_two --json --budget-s $((limit - 10))) ;;
+    online_eval) cmd=(-m bench.gpu_online_eval --json --budget-s $((limit - 10))) ;;
   esac
   echo "$name" >> "$LOGS/sections"
   echo "gpu_check: == $name (at most $limit s): ${cmd[*]}" >&2
@@ -113,7 +112,7 @@ for entry in $SECTIONS; do
   echo $((SECONDS - start)) > "$LOGS/$name.seconds"
 done
 echo "gpu_check: section logs in $LOGS" >&2
-"$PY" bench/gpu_report.py --logs "$LOGS" $JSON | tee "$LOGS/report.txt"
+"$PY" -m bench.gpu_report --logs "$LOGS" $JSON | tee "$LOGS/report.txt"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   cp "$LOGS/report.txt" "$OUT/gpu_check.txt"

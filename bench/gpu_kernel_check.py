@@ -18,8 +18,8 @@
    (is a check: it holds by construction), no slower than the old 2 GiB workspace, the
    Triton part <= 30% of the step at SmolLM2's shape.
 
-    python bench/gpu_kernel_check.py [--json] [--budget-s 150]      # CUDA, about 2 minutes
-    TRITON_INTERPRET=1 python bench/gpu_kernel_check.py --device cpu --quick   # CPU smoke (tests)
+    python -m bench.gpu_kernel_check [--json] [--budget-s 150]      # CUDA, about 2 minutes
+    TRITON_INTERPRET=1 python -m bench.gpu_kernel_check --device cpu --quick   # CPU smoke (tests)
 
 Exit status 0 when every check passed, 1 otherwise. --json prints one JSON object last.
 """
@@ -31,11 +31,9 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loss_bench import chunked_cublas_step, make_inputs
 from dflash.kernels import sparse_kl_loss
 from dflash.kernels.reference import default_workspace_bytes

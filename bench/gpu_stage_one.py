@@ -21,8 +21,8 @@ about 15 s, load about 10 s, verify about 10 s; the records hold about `--budget
 tokens (200,000 by default; 5,000 tokens/s is the whole run's rate before issue 41, so even
 the old path would fit the budget; at the goal the pass takes a few seconds).
 
-    python bench/gpu_stage_one.py [--budget-s 40] [--json]
-    python bench/gpu_stage_one.py --device cpu --quick      # a tiny shape: proves the script runs
+    python -m bench.gpu_stage_one [--budget-s 40] [--json]
+    python -m bench.gpu_stage_one --device cpu --quick      # a tiny shape: proves the script runs
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* from the repository root
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.stage_one import build_random_llama, synthetic_records

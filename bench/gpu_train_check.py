@@ -82,6 +82,21 @@ def drafter_case(quick: bool, ragged: bool = False):
     return config, segments, B, L, gen
 
 
+def build_case(quick: bool, ragged: bool, device):
+    """(drafter on the dense path, layout, embeds [Q, H], features [C, L*H], projection [Q, H]) of
+    one attention case, every tensor drawn from the case's generator, the drafter from seed 0."""
+    from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig
+
+    config, segments, B, L, gen = drafter_case(quick, ragged=ragged)
+    layout = BlockLayout.build(segments, B, device=device)
+    H = config["hidden_size"]
+    embeds = torch.randn(layout.num_queries, H, generator=gen).to(device)
+    features = torch.randn(layout.num_context, L * H, generator=gen).to(device)
+    projection = torch.randn(layout.num_queries, H, generator=gen).to(device)
+    torch.manual_seed(0)
+    return DFlashDrafter(DrafterConfig(**config), attention="dense").to(device), layout, embeds, features, projection
+
+
 def parameter_gradients(model, layout, embeds, features, projection, attention: str,
                         dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The drafter's training forward with `attention` in `dtype` and every parameter's
@@ -111,14 +126,7 @@ def attention_parity(checks: Checks, device: torch.device, quick: bool) -> dict:
     report: dict = {}
     cases = ["main", "ragged"] if device.type == "cuda" or quick else ["main"]
     for case in cases:
-        config, segments, B, L, gen = drafter_case(quick, ragged=case == "ragged")
-        layout = BlockLayout.build(segments, B, device=device)
-        H = config["hidden_size"]
-        embeds = torch.randn(layout.num_queries, H, generator=gen).to(device)
-        features = torch.randn(layout.num_context, L * H, generator=gen).to(device)
-        projection = torch.randn(layout.num_queries, H, generator=gen).to(device)
-        torch.manual_seed(0)
-        model = DFlashDrafter(DrafterConfig(**config), attention="dense").to(device)
+        model, layout, embeds, features, projection = build_case(quick, case == "ragged", device)
         ref_out, ref_grads = parameter_gradients(model, layout, embeds, features, projection, "dense", torch.float64)
         errors: dict[str, dict] = {}
         for attention in ("dense", "flex"):

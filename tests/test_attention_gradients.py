@@ -17,21 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu_train_check import build_case as build, drafter_case, parameter_gradients, rel
+from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.gpu_train_check import drafter_case, parameter_gradients, rel  # noqa: E402
-from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
-
-
-def build(quick: bool, ragged: bool, device: str):
-    config, segments, B, L, gen = drafter_case(quick, ragged=ragged)
-    layout = BlockLayout.build(segments, B, device=device)
-    H = config["hidden_size"]
-    embeds = torch.randn(layout.num_queries, H, generator=gen).to(device)
-    features = torch.randn(layout.num_context, L * H, generator=gen).to(device)
-    projection = torch.randn(layout.num_queries, H, generator=gen).to(device)
-    torch.manual_seed(0)
-    return DFlashDrafter(DrafterConfig(**config), attention="dense").to(device), layout, embeds, features, projection
 
 
 def square_mean_gradients(model, layout, embeds, features, dtype):

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_check(args, env, timeout):
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_kernel_check.py"), *args, "--json"],
-                            capture_output=True, text=True, env=env, timeout=timeout)
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_kernel_check", *args, "--json"],
+                            capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -18,8 +18,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_
 
 
 def run_script(*args: str, timeout_s: int) -> dict:
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_stage_one.py"), *args, "--json"],
-                            capture_output=True, text=True, env=ENV, timeout=timeout_s)
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_stage_one", *args, "--json"],
+                            capture_output=True, text=True, env=ENV, timeout=timeout_s, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ok correctness" in result.stdout
     return json.loads(result.stdout.strip().splitlines()[-1])
