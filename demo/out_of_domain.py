@@ -70,7 +70,7 @@ def demo_suite_files(work: Path, suites: list[str], num_prompts: int) -> str:
 
 def out_of_domain(*, work: Path, run_dir: Path, target: Path, cache: Path, data: Path, suites: list[str],
                   num_prompts: int = 4, max_new_tokens: int = 48, from_hub: bool = False,
-                  seeds: tuple[int, ...] = (0,)) -> dict[str, Any]:
+                  seeds: tuple[int, ...] = (0,), device: str = "cpu") -> dict[str, Any]:
     """Online tau in domain (the first `num_prompts` held-out prompts of `cache`, from `data`)
     and on `num_prompts` prompts of each suite, at each of TEMPERATURES (sampled ones once per
     seed). Returns {"runs": [{"temperature", "seed", "in_domain": online figures, "suites":
@@ -79,7 +79,7 @@ def out_of_domain(*, work: Path, run_dir: Path, target: Path, cache: Path, data:
 
     prompts = ",".join(suites) if from_hub else demo_suite_files(work, suites, num_prompts)
     common = dict(run=str(run_dir), online=True, target=str(target), limit=num_prompts,
-                  max_new_tokens=max_new_tokens, device="cpu", save=False)
+                  max_new_tokens=max_new_tokens, device=device, dtype="float32", save=False)
     runs = []
     for temperature in TEMPERATURES:
         for seed in seeds if temperature > 0 else (0,):

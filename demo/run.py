@@ -1,7 +1,7 @@
 """The embedded default, end to end: a DSpark drafter (DFlash's backbone plus a Markov head:
 each draft sees the one before it) for SmolLM2-135M-Instruct on chitchat conversations, on a
-laptop CPU, in about 15 minutes (`make demo`, which runs
-`python -m demo.run` from the repository root).
+laptop CPU, in under 10 minutes from a fresh clone (`make demo`, which runs
+`python -m demo.run` from the repository root); on a GPU where there is one (`--device`).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
 prepare the target and prompts (dflash.testing.prepare), `dflash-precompute --regenerate`,
@@ -102,10 +102,15 @@ class DemoConfig:
     """Held-out share of the cached conversations (their prompts are the online ones)."""
     online_prompts: int = 20
     """Held-out prompts decoded online."""
-    out_of_domain_prompts: int = 2
+    out_of_domain_prompts: int = 0
     """Prompts decoded out of domain, per suite (prompts in the GSM8K and HumanEval formats,
     written for the demo) and in domain, at temperature 0 and 1, for the summary's out of
-    domain line (demo/out_of_domain.py); 0: none."""
+    domain line (demo/out_of_domain.py; 2 cost about a minute on 2 CPU cores); 0: none, the
+    default, to keep the first run short."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where every command runs: auto (the GPU when torch sees one, else the CPU), cpu or cuda.
+    The target and drafter stay in float32 everywhere (`fit --dtype float32`, `eval --dtype
+    float32`), so the lossless check compares greedy ids nearly to the last bit on either."""
     server: bool = field(default=False, metadata={ONLY_ON: True})
     """Regenerate the replies through a local `transformers serve` and dflash-regenerate
     instead of in-process `dflash-precompute --regenerate`."""
@@ -166,6 +171,46 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+def precompute_command(config: DemoConfig, *, target: Path, data: Path, out: Path, regenerate: bool,
+                       basis: Path | None = None) -> list[str]:
+    """`dflash-precompute` of `data` into `out`: regenerating the replies (in process) or not,
+    in the feature basis of the cache `basis` or fitting its own."""
+    return [
+        bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(out),
+        *(["--regenerate", "--max-new-tokens", str(config.max_new_tokens)] if regenerate else []),
+        "--max-length", str(config.max_length), "--feature-codec", config.feature_codec,
+        *(["--feature-rank", str(config.feature_rank)] if config.feature_rank and basis is None else []),
+        *(["--feature-basis", str(basis)] if basis is not None else []),
+        "--device", config.device, "--json",
+    ]
+
+
+def fit_command(config: DemoConfig, *, caches: list[Path], run_dir: Path) -> list[str]:
+    """`dflash-train fit` of the demo's drafter on `caches` into `run_dir`."""
+    return [
+        bin_path("dflash-train"), "fit", *[arg for c in caches for arg in ("--cache", str(c))], "--out", str(run_dir),
+        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size), "--drafter", config.drafter,
+        *(["--markov-rank", str(config.markov_rank)] if config.drafter == "dspark" else []),
+        "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
+        "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
+        "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
+        *(["--draft-vocab", str(config.draft_vocab)] if config.draft_vocab else []),
+        "--device", config.device, "--dtype", "float32", "--save-initial",
+    ]
+
+
+def eval_command(config: DemoConfig, *, run_dir: Path, cache: Path, checkpoint: Path,
+                 online: tuple[Path, Path] | None = None) -> list[str]:
+    """`dflash-train eval` of `checkpoint` on the held-out sequences of `cache`; with `online`
+    = (target, prompts), also speculative decoding of the first held-out prompts, in float32."""
+    command = [bin_path("dflash-train"), "eval", "--run", str(run_dir), "--cache", str(cache),
+               "--device", config.device, "--json", "--checkpoint", str(checkpoint)]
+    if online is not None:
+        command += ["--online", "--target", str(online[0]), "--prompts", str(online[1]), "--dtype", "float32",
+                    "--limit", str(config.online_prompts), "--max-new-tokens", str(config.max_new_tokens)]
+    return command
+
+
 @click.command(cls=DflashCommand)
 @config_options(DemoConfig)
 def main(**options) -> None:
@@ -184,9 +229,10 @@ def run_demo(config: DemoConfig) -> None:
     target = prepare_smollm2(work)
     data = prompts_file(work / "chitchat.jsonl", first=0, count=config.num_conversations,
                         flag="--num-conversations")
+    seconds = {"prepare": time.monotonic() - started}
 
     cache, run_dir = work / "cache", work / "run"
-    regenerate = ["--regenerate", "--max-new-tokens", str(config.max_new_tokens)]
+    regenerate = True
     if config.server or config.vllm_server:  # the same replies from a serving engine; the cache is built from them
         from dflash.precompute.local_server import local_server
 
@@ -198,13 +244,10 @@ def run_demo(config: DemoConfig) -> None:
             run([bin_path("dflash-regenerate"), "--data", str(data), "--out", str(regenerated), "--server", url,
                  "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "64" if options else "4",
                  "--json"])
-        data, regenerate = regenerated, []
-    precompute = run([
-        bin_path("dflash-precompute"), "--target", str(target), "--data", str(data), "--out", str(cache),
-        *regenerate, "--max-length", str(config.max_length), "--feature-codec", config.feature_codec,
-        *(["--feature-rank", str(config.feature_rank)] if config.feature_rank else []),
-        "--device", "cpu", "--json",
-    ], capture_json=True)
+        data, regenerate = regenerated, False
+    stage_began = time.monotonic()
+    precompute = run(precompute_command(config, target=target, data=data, out=cache, regenerate=regenerate),
+                     capture_json=True)
 
     caches = [cache]
     human = None
@@ -214,36 +257,24 @@ def run_demo(config: DemoConfig) -> None:
         human_data = prompts_file(work / "chitchat-human.jsonl", first=config.num_conversations,
                                   count=config.human_conversations, flag="--human-conversations")
         caches.append(work / "cache-human")
-        human = run([
-            bin_path("dflash-precompute"), "--target", str(target), "--data", str(human_data),
-            "--out", str(caches[-1]), "--max-length", str(config.max_length), "--feature-codec",
-            config.feature_codec, *(["--feature-basis", str(cache)] if config.feature_codec in BASIS_CODECS else []),
-            "--device", "cpu", "--json",
-        ], capture_json=True)
+        human = run(precompute_command(config, target=target, data=human_data, out=caches[-1], regenerate=False,
+                                       basis=cache if config.feature_codec in BASIS_CODECS else None),
+                    capture_json=True)
+    seconds["stage one"] = time.monotonic() - stage_began
 
-    fit_args = [
-        bin_path("dflash-train"), "fit", *[arg for c in caches for arg in ("--cache", str(c))], "--out", str(run_dir),
-        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size), "--drafter", config.drafter,
-        *(["--markov-rank", str(config.markov_rank)] if config.drafter == "dspark" else []),
-        "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
-        "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
-        "--checkpoint-every", str(config.max_steps), "--eval-every", "0", "--spike-warmup-steps", "20",
-        *(["--draft-vocab", str(config.draft_vocab)] if config.draft_vocab else []),
-        "--device", "cpu", "--dtype", "float32", "--save-initial",
-    ]
-    run(fit_args)  # a finished run is left as it is (fit resumes at its last step: nothing to do)
+    stage_began = time.monotonic()
+    run(fit_command(config, caches=caches, run_dir=run_dir))  # a finished run is left as it is
+    seconds["fit"] = time.monotonic() - stage_began
 
+    stage_began = time.monotonic()
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     initial, final = checkpoints[0], checkpoints[-1]
-    evaluate = [bin_path("dflash-train"), "eval", "--run", str(run_dir), "--cache", str(cache), "--device", "cpu",
-                "--json"]
-    before = run(evaluate + ["--checkpoint", str(initial)], capture_json=True)
-    after = run(evaluate + ["--checkpoint", str(final)], capture_json=True)
+    before = run(eval_command(config, run_dir=run_dir, cache=cache, checkpoint=initial), capture_json=True)
+    after = run(eval_command(config, run_dir=run_dir, cache=cache, checkpoint=final), capture_json=True)
     # Online on the first held-out prompts; this call also reports offline tau on exactly
     # those prompts' cached sequences, side by side with the online figure.
-    paired = run(evaluate + ["--checkpoint", str(final), "--online", "--target", str(target),
-                             "--prompts", str(data), "--limit", str(config.online_prompts),
-                             "--max-new-tokens", str(config.max_new_tokens)], capture_json=True)
+    paired = run(eval_command(config, run_dir=run_dir, cache=cache, checkpoint=final, online=(target, data)),
+                 capture_json=True)
     info = run([bin_path("dflash-shards"), "info", "--json", str(cache)], capture_json=True)
     from dflash.shards.report import format_info
 
@@ -255,7 +286,8 @@ def run_demo(config: DemoConfig) -> None:
         print("\n== out of domain: suite-style prompts beside held-out chitchat, at temperature 0 and 1", flush=True)
         unseen = out_of_domain(work=work, run_dir=run_dir, target=target, cache=cache, data=data,
                                suites=["gsm8k", "humaneval"], num_prompts=config.out_of_domain_prompts,
-                               max_new_tokens=config.max_new_tokens)
+                               max_new_tokens=config.max_new_tokens, device=config.device)
+    seconds["evaluation"] = time.monotonic() - stage_began
 
     online = paired["online"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -284,7 +316,9 @@ def run_demo(config: DemoConfig) -> None:
           f"tok/s plain greedy ({speedup:.2f}x)")
     if unseen is not None:
         print(format_line(unseen))
-    print(f"  wall time    {time.monotonic() - started:,.0f} s")
+    print(f"  device       {online['device']} ({online['dtype']}; --device {config.device})")
+    print(f"  wall time    {time.monotonic() - started:,.0f} s ("
+          + ", ".join(f"{name} {value:,.0f}" for name, value in seconds.items()) + ")")
     if not online["lossless"] or after["acceptance_length"] <= before["acceptance_length"]:
         sys.exit("demo FAILED: online decoding was not lossless or training did not raise tau")
     if config.engine_check:

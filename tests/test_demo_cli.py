@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 import demo.run
@@ -48,3 +49,37 @@ def test_out_of_domain_refuses_a_suite_without_demo_prompts(tmp_path):
 
     result = CliRunner().invoke(demo.out_of_domain.main, ["--work-dir", str(tmp_path), "--suites", "mbpp"])
     assert result.exit_code == 1 and "--suites mbpp: no prompts written for the demo" in result.output
+
+
+def _flag(command: list[str], name: str) -> str:
+    assert command.count(name) == 1, (name, command)
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("args, device", [([], "auto"), (["--device", "cpu"], "cpu"), (["--device", "cuda"], "cuda")])
+def test_every_command_takes_the_demo_device_and_stays_float32(monkeypatch, tmp_path, args, device):
+    """By default every command picks the GPU when there is one (`--device auto`); the flag
+    overrides it; the drafter trains and the target decodes in float32 either way (the lossless
+    check compares greedy ids)."""
+    config = _config(monkeypatch, [*args, "--work-dir", str(tmp_path)])
+    target, data, cache, run_dir = (tmp_path / name for name in ("target", "data.jsonl", "cache", "run"))
+    precompute = demo.run.precompute_command(config, target=target, data=data, out=cache, regenerate=True)
+    human = demo.run.precompute_command(config, target=target, data=data, out=tmp_path / "h", regenerate=False,
+                                        basis=cache)
+    fit = demo.run.fit_command(config, caches=[cache], run_dir=run_dir)
+    offline = demo.run.eval_command(config, run_dir=run_dir, cache=cache, checkpoint=run_dir / "step-1")
+    online = demo.run.eval_command(config, run_dir=run_dir, cache=cache, checkpoint=run_dir / "step-1",
+                                   online=(target, data))
+    assert [_flag(c, "--device") for c in (precompute, human, fit, offline, online)] == [device] * 5
+    assert (_flag(fit, "--dtype"), _flag(online, "--dtype")) == ("float32", "float32")
+    assert "--dtype" not in offline  # offline scoring reads the cache: no target dtype to choose
+    assert _flag(precompute, "--max-new-tokens") == str(config.max_new_tokens) and "--regenerate" in precompute
+    assert "--regenerate" not in human and _flag(human, "--feature-basis") == str(cache)
+    assert (_flag(online, "--target"), _flag(online, "--prompts")) == (str(target), str(data))
+    assert _flag(online, "--limit") == str(config.online_prompts)
+    assert _flag(fit, "--drafter") == config.drafter and _flag(fit, "--block-size") == str(config.block_size)
+
+
+def test_the_demo_refuses_an_unknown_device(monkeypatch):
+    result = CliRunner().invoke(demo.run.main, ["--device", "tpu"])
+    assert result.exit_code != 0 and "tpu" in result.output
