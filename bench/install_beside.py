@@ -125,7 +125,12 @@ def install_beside(venv: Path, *, pytest: bool = False) -> list[str]:
         if saved["key"] == key:
             return [f"already installed (stamp {stamp}):", *saved["lines"]]
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "--no-deps", "-e", str(REPO)], check=True)
+    # setuptools warns on every editable build (a folder named like the package): shown on failure only
+    build = subprocess.run([*pip, "--no-deps", "-e", str(REPO)], capture_output=True, text=True)
+    if build.returncode != 0:
+        sys.stderr.write(build.stdout + build.stderr)
+        build.check_returncode()
+    # cwd: not this checkout, whose dflash.egg-info the probe would read instead of the venv's install
     probe = json.loads(subprocess.run([str(python), "-c", _PROBE], check=True, capture_output=True, cwd=venv,
                                       text=True).stdout)
     requires = probe["requires"] + ([extra_requirement(probe["requires"], "test", "pytest")] if pytest else [])
