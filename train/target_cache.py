@@ -4,13 +4,16 @@ attention).
 
 A verify forward feeds the anchor and the block's drafts (`fed` tokens, at most the block
 size); once the target accepts n drafts, the cache must be what it would be after feeding only
-the n + 1 committed tokens. Per kind of cache layer (transformers 5.25's `cache_utils`):
+the n + 1 committed tokens. Per kind of cache layer (transformers' `cache_utils`; 5.25 unless
+said otherwise):
 
-- Full attention (`DynamicLayer`): dropping the last positions' keys and values is exact.
+- Full attention (`DynamicLayer`): dropping the last positions' keys and values is exact; the
+  layer records nothing (it has no `activate_past_recording`, in any 5.x).
 - Sliding window (`DynamicSlidingWindowLayer`): it forgets keys older than its window as it
   goes, so a crop once the sequence is past the window needs the layer to keep its past
   (`activate_past_recording`) until the crop, which cuts the rejected positions and trims the
-  rest back to the window.
+  rest back to the window. The same in 5.17 and 5.19, where the method takes no argument (5.25
+  takes and ignores keywords); `record_past` calls each layer's own form.
 - Linear attention (`LinearAttentionLayer`: the gated delta net layers of Qwen3-Next and
   Qwen3.5/3.6, Mamba-style layers): a fixed-size recurrent state into which every token is
   mixed, which no crop can undo, and a causal-conv state of the last inputs. Recording with
@@ -26,6 +29,11 @@ the n + 1 committed tokens. Per kind of cache layer (transformers 5.25's `cache_
   through the chunked rule, the state after it is never recorded, and a verify that rejects
   every draft puts back the state from before the anchor (the anchor is lost from the state,
   and the output drifts from greedy). `record_past` passes the block size.
+
+  Before 5.25 (5.17, 5.19) the keyword does not exist: the layer records its conv input only
+  and marks itself not croppable once it holds a recurrent state, so a target with recurrent
+  layers is refused there, naming the version (a conv-only layer crops as in 5.25). Which form
+  a layer has is read from its method's signature, not from the version string.
 
 Recording is switched on after the prefill, so the prefill is the target's own (the same
 forward `generate` runs); the verifies then run the recurrent rule token by token as one-token
@@ -73,16 +81,36 @@ def cache_kwarg(target: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
+def _keeps_recurrent_states(layer: Any) -> bool:
+    """Whether `layer` can record its recurrent state per fed token (transformers >= 5.25)."""
+    return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
+
+
 def record_past(cache: Any, block_size: int) -> None:
-    """Make every layer of `cache` able to drop up to `block_size` freshly fed positions
-    (call it after the prefill, before the first verify; see the module docstring)."""
-    cache.activate_past_recording(recurrent_states_to_keep=block_size)
+    """Make every layer of `cache` able to drop up to `block_size` freshly fed positions, in
+    the form its transformers has (call it after the prefill, before the first verify; see the
+    module docstring). Full-attention layers record nothing; a recurrent layer that cannot
+    record per token is refused by `rollback` and `rollback_refusal`, not here."""
+    for layer in cache.layers:
+        activate = getattr(layer, "activate_past_recording", None)
+        if activate is None:  # full attention: a crop alone is exact
+            continue
+        if _keeps_recurrent_states(layer):
+            activate(recurrent_states_to_keep=block_size)
+        else:
+            activate()
 
 
-def _unrecorded(cache: Any, fed: int) -> str | None:
-    """Why the last forward of `fed` tokens cannot be rolled back exactly, or None: a layer
-    that cannot be cropped, or a linear-attention layer that did not keep a recurrent state
-    (or conv input) per fed token."""
+def _unrecorded(cache: Any, fed: int, family: str) -> str | None:
+    """Why the last forward of `fed` tokens cannot be rolled back exactly, or None: a
+    transformers that cannot record a recurrent state per token, a layer that cannot be
+    cropped, or a linear-attention layer that did not keep a recurrent state (or conv input)
+    per fed token."""
+    import transformers
+
+    for _, layer in _linear_layers(cache):
+        if any(layer.is_recurrent_states_initialized.values()) and not _keeps_recurrent_states(layer):
+            return f"needs transformers >= 5.25 for {family}'s recurrent state; this is {transformers.__version__}"
     if not getattr(cache, "is_croppable", True):
         kinds = sorted({type(layer).__name__ for layer in cache.layers if not layer.is_croppable})
         return f"its cache layers ({', '.join(kinds) or type(cache).__name__}) cannot be cropped"
@@ -104,7 +132,7 @@ def rollback(cache: Any, length: int, *, fed: int, family: str) -> None:
     verify), trimming recorded history back to what the next forward needs.
 
     ValueError naming `family` when the forward left no exact way back (module docstring)."""
-    reason = _unrecorded(cache, fed)
+    reason = _unrecorded(cache, fed, family)
     if reason is not None:
         raise ValueError(refusal_line(family, reason))
     remove = int(cache.get_seq_length()) - length
@@ -126,6 +154,7 @@ def rollback_refusal(target: torch.nn.Module) -> str | None:
     from transformers import DynamicCache
 
     device = target.device
+    family = target_family(target)
     cache = DynamicCache(config=target.config)
     kwargs = {cache_kwarg(target): cache, "use_cache": True}
     try:
@@ -133,13 +162,13 @@ def rollback_refusal(target: torch.nn.Module) -> str | None:
         record_past(cache, 2)
         target(torch.zeros((1, 2), dtype=torch.long, device=device),
                position_ids=torch.arange(1, 3, device=device)[None], **kwargs)
-        reason = _unrecorded(cache, 2)
+        reason = _unrecorded(cache, 2, family)
         if reason is None:
             cache.crop(-2)
     except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as error:
         first = (str(error).splitlines() or [""])[0]
         reason = f"its cache cannot be rolled back ({type(error).__name__}: {first})"
-    return None if reason is None else refusal_line(target_family(target), reason)
+    return None if reason is None else refusal_line(family, reason)
 
 
 __all__ = ["cache_kwarg", "record_past", "refusal_line", "rollback", "rollback_refusal", "target_family"]
