@@ -19,7 +19,7 @@ Qwen3-8B-shaped drafter (5 layers, H 4096, V 151936, 32/8 heads of 128, FFN 1228
 Demo section (`--sections demo`): the demo's fit (demo/run.py's defaults: a 1-layer drafter,
 block 3, 32 anchors a sequence, 510 block tokens a step, lr 1e-3, a 4,096-token draft
 vocabulary, float32 on CPU) on a synthetic basis-fp8 cache at SmolLM2-135M's widths (48
-sequences of 256 tokens, Zipf ids so the draft vocabulary covers most teacher ids), once per
+sequences of 256 tokens, Zipf-distributed ids as in text), once per
 drafter in `--drafters` and `--repeats` times over, interleaved so that a shared machine's
 drift hits every drafter alike: each drafter's CPU seconds a step (this process's CPU time
 for the run less that of a 2-step run of the same settings, over the steps between: the
@@ -185,7 +185,7 @@ def run_demo(workdir: Path, steps: int, drafters: list[str], repeats: int) -> di
     assert steps > short_steps, "the demo section needs more than 2 steps"
     runs: dict[str, list[dict]] = {d: [] for d in drafters}
     cpu_per_step: dict[str, list[float]] = {d: [] for d in drafters}
-    # A first, unmeasured run per drafter pays the process's one-off costs (imports, first allocations).
+    # A first, unmeasured pass (both runs) per drafter pays the process's one-off costs (imports, first allocations).
     for repeat in [-1] + list(range(repeats)):
         for drafter in drafters:
             cpu_s = {}
