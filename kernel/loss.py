@@ -112,7 +112,9 @@ def sparse_kl_loss(
     weight_grad_from c: when weight requires grad, only its columns c: get one; the columns
     before c are frozen (their gradient is 0). DSpark's head [W_head; markov_w2] trains its
     last r columns: the torch path's dW is then dz.T @ hidden[:, c:] ([V, r], not [V, H]);
-    naive and triton detach the frozen columns (the same gradient, no saving).
+    naive and triton detach the frozen columns (the same gradient, no saving). When weight
+    requires grad and all N rows fit one workspace chunk, the torch path keeps the forward's
+    logits for dW (a second [N, V] fp32 buffer until the backward; reference.py).
 
     Returns the loss (a scalar, or [N] for reduction="none"), and with return_argmax=True
     a tuple (loss, argmax) where argmax [N] int64 is the student's greedy token per row,

@@ -69,8 +69,9 @@ Implementations here:
   (skipped under `torch.no_grad()` or when hidden does not require grad). dW (a frozen
   head in DFlash) is not row-separable and recomputes each chunk in the backward, unless
   all N rows fit one chunk: then the forward keeps that chunk's logits (one [N, V] fp32
-  buffer, within `workspace_bytes`) and the backward reads them instead of a second
-  [N, H] x [H, V] product; the values are the same bits either way. `weight_grad_from`
+  buffer, within `workspace_bytes`, held until the backward: two such buffers at the
+  forward's peak) and the backward reads them instead of a second [N, H] x [H, V] product;
+  the values are the same bits either way. `weight_grad_from`
   c computes dW for the columns c: only (DSpark's head [W_head; markov_w2] trains its last
   r columns: dz.T @ x[:, c:] instead of dz.T @ x, the others are returned as zeros).
 """
