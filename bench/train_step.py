@@ -16,7 +16,20 @@ FFN 1536), a 2-layer drafter, block 16. GPU section (when CUDA is available): a
 Qwen3-8B-shaped drafter (5 layers, H 4096, V 151936, 32/8 heads of 128, FFN 12288, block
 16, 5 features) in bf16, with model-FLOPs utilisation against --peak-tflops.
 
-    python bench/train_step.py [--steps 24] [--json] [--sections cpu,gpu]
+Demo section (`--sections demo`): the demo's fit (demo/run.py's defaults: a 1-layer drafter,
+block 3, 32 anchors a sequence, 510 block tokens a step, lr 1e-3, a 4,096-token draft
+vocabulary, float32 on CPU) on a synthetic basis-fp8 cache at SmolLM2-135M's widths (48
+sequences of 256 tokens, Zipf-distributed ids as in text), once per
+drafter in `--drafters` and `--repeats` times over, interleaved so that a shared machine's
+drift hits every drafter alike: each drafter's CPU seconds a step (this process's CPU time
+for the run less that of a 2-step run of the same settings, over the steps between: the
+per-core cost, which other work on a shared machine inflates far less than wall time; the
+median over repeats), its median wall-clock step (full steps only: an epoch's last step is
+partial), the DSpark/DFlash ratios, and every step's loss (the JSON line carries them, to
+compare two versions of the code textually).
+
+    python bench/train_step.py [--steps 24] [--json] [--sections cpu,gpu,demo]
+        [--drafters dflash,dspark --repeats 3]
         [--smollm2-cache CACHE --smollm2-steps 300]   # a real run: does the loss fall?
 """
 
@@ -155,6 +168,74 @@ def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int
     if section == "gpu":
         result.update(mfu(config, cache, result["median_step_s"], metrics))
     return result
+
+
+DEMO_FIT = dict(num_layers=1, block_size=3, anchors_per_seq=32, tokens_per_step=510, lr=1e-3, draft_vocab=4096,
+                dtype="float32", device="cpu")
+DEMO_MARKOV_RANK = 64
+
+
+def run_demo(workdir: Path, steps: int, drafters: list[str], repeats: int) -> dict:
+    """The demo's fit per drafter, `repeats` times interleaved (module docstring)."""
+    cache = workdir / "cache-demo"
+    if not cache.exists():
+        write_synthetic_training_cache(cache, lengths=[256] * 48, seed=0, feature_codec="basis-fp8",
+                                       feature_rank=SHAPES["cpu"]["hidden_size"], zipf=True, **SHAPES["cpu"])
+    short_steps = 2
+    assert steps > short_steps, "the demo section needs more than 2 steps"
+    runs: dict[str, list[dict]] = {d: [] for d in drafters}
+    cpu_per_step: dict[str, list[float]] = {d: [] for d in drafters}
+    # A first, unmeasured pass (both runs) per drafter pays the process's one-off costs (imports, first allocations).
+    for repeat in [-1] + list(range(repeats)):
+        for drafter in drafters:
+            cpu_s = {}
+            for max_steps in (short_steps, steps):
+                out = workdir / f"run-demo-{drafter}-{repeat}-{max_steps}"
+                shutil.rmtree(out, ignore_errors=True)
+                config = FitConfig.from_dict(dict(
+                    DEMO_FIT, cache=[str(cache)], out=str(out), drafter=drafter, max_steps=max_steps,
+                    **({"markov_rank": DEMO_MARKOV_RANK} if drafter == "dspark" else {}),
+                    checkpoint_every=10**9, keep_checkpoints=1, eval_every=0, eval_fraction=0.1, wandb=False,
+                    log_every=10**9, spike_warmup_steps=20))
+                c0 = time.process_time()
+                fit(config)
+                cpu_s[max_steps] = time.process_time() - c0
+            if repeat < 0:
+                continue
+            cpu_per_step[drafter].append((cpu_s[steps] - cpu_s[short_steps]) / (steps - short_steps))
+            runs[drafter].append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    result = {"steps": steps, "repeats": repeats, "threads": torch.get_num_threads(), "drafters": {}}
+    for drafter, metrics in runs.items():
+        medians = [statistics.median(m["step_time_s"] for m in run[1:] if m["tokens"] == DEMO_FIT["tokens_per_step"])
+                   for run in metrics]
+        result["drafters"][drafter] = {
+            "cpu_s_per_step": statistics.median(cpu_per_step[drafter]), "run_cpu_s_per_step": cpu_per_step[drafter],
+            "median_step_s": statistics.median(medians), "run_median_step_s": medians,
+            "tokens_per_s": DEMO_FIT["tokens_per_step"] / statistics.median(medians),
+            # Every repeat runs the same seed: its losses are the first run's, or the code is not deterministic.
+            "losses": [m["loss"] for m in metrics[0]], "grad_norms": [m["grad_norm"] for m in metrics[0]],
+            "repeats_agree": all([m["loss"] for m in run] == [m["loss"] for m in metrics[0]] for run in metrics),
+        }
+    if {"dflash", "dspark"} <= set(drafters):
+        d = result["drafters"]
+        result["dspark_over_dflash_cpu"] = d["dspark"]["cpu_s_per_step"] / d["dflash"]["cpu_s_per_step"]
+        result["dspark_over_dflash_wall"] = d["dspark"]["median_step_s"] / d["dflash"]["median_step_s"]
+    return result
+
+
+def demo_table(demo: dict) -> str:
+    lines = ["| drafter | CPU s a step | runs' CPU s a step | median wall step | runs' medians | loss first -> last "
+             "| repeats agree |", "|---|---|---|---|---|---|---|"]
+    for drafter, r in demo["drafters"].items():
+        lines.append(f"| {drafter} | {r['cpu_s_per_step']:.3f} | "
+                     + ", ".join(f"{c:.3f}" for c in r["run_cpu_s_per_step"])
+                     + f" | {r['median_step_s']:.3f} s | " + ", ".join(f"{m:.3f}" for m in r["run_median_step_s"])
+                     + f" | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {r['repeats_agree']} |")
+    if "dspark_over_dflash_cpu" in demo:
+        lines.append(f"\nDSpark step / DFlash step: {demo['dspark_over_dflash_cpu']:.2f}x CPU, "
+                     f"{demo['dspark_over_dflash_wall']:.2f}x wall "
+                     f"({demo['steps']} steps, {demo['repeats']} interleaved repeats, {demo['threads']} threads)")
+    return "\n".join(lines)
 
 
 def analyse(metrics: list[dict], events: list[dict]) -> dict:
@@ -299,7 +380,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--sections", default="cpu,gpu",
                         help="sections to run: cpu, gpu (skipped without CUDA), read (the host's read rate "
-                             "at Qwen3-8B's widths), or none")
+                             "at Qwen3-8B's widths), demo (the demo's fit per drafter), or none")
+    parser.add_argument("--drafters", default="dflash,dspark",
+                        help="demo section: the fit --drafter values to time, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="demo section: interleaved runs per drafter")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the caches and runs here")
     parser.add_argument("--smollm2-cache", type=Path, default=None,
@@ -308,7 +392,7 @@ def main() -> None:
     parser.add_argument("--smollm2-tokens-per-step", type=int, default=256)
     args = parser.parse_args()
     globals()["PEAK_TFLOPS"] = args.peak_tflops
-    results, reads = [], []
+    results, reads, demo = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -316,6 +400,8 @@ def main() -> None:
         if "cpu" in sections:
             results.append(run("cpu", workdir, args.steps, num_sequences=24, length=512, drafter_layers=2,
                                anchors_per_seq=32, tokens_per_step=1024, checkpoint_every=6))
+        if "demo" in sections:
+            demo = run_demo(workdir, args.steps, args.drafters.split(","), args.repeats)
         if "read" in sections:
             reads = [read_rate(workdir, codec) for codec in ("bf16", "fp8")]
         if "gpu" in sections and torch.cuda.is_available():
@@ -338,8 +424,10 @@ def main() -> None:
             print(f"  held-out step {e['step']}: loss {e['loss']:.3f} tau {e['tau']:.2f}")
         print("  first metrics line:", smollm2["first_line"])
         print("  last metrics line: ", smollm2["last_line"])
+    if demo:
+        print(demo_table(demo))
     if args.json:
-        print(json.dumps({"results": results, "reads": reads, "smollm2": smollm2}))
+        print(json.dumps({"results": results, "reads": reads, "smollm2": smollm2, "demo": demo}))
 
 
 if __name__ == "__main__":

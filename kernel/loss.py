@@ -47,6 +47,7 @@ def sparse_kl_loss(
     tail_mass: torch.Tensor | None = None,
     workspace_bytes: int | None = None,
     triton_config=None,
+    weight_grad_from: int = 0,
 ) -> torch.Tensor: ...
 
 
@@ -67,6 +68,7 @@ def sparse_kl_loss(
     tail_mass: torch.Tensor | None = None,
     workspace_bytes: int | None = None,
     triton_config=None,
+    weight_grad_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -86,6 +88,7 @@ def sparse_kl_loss(
     tail_mass: torch.Tensor | None = None,  # [N] float: teacher tail; None = max(0, 1 - sum q)
     workspace_bytes: int | None = None,
     triton_config=None,
+    weight_grad_from: int = 0,  # the first column of weight that gets a gradient
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse KL of the student softmax(hidden @ weight.T) to the teacher's top-k (+ tail).
 
@@ -106,12 +109,22 @@ def sparse_kl_loss(
     tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
     all and takes the torch path's N*k'*H gather whatever impl says.
 
+    weight_grad_from c: when weight requires grad, only its columns c: get one; the columns
+    before c are frozen (their gradient is 0). DSpark's head [W_head; markov_w2] trains its
+    last r columns: the torch path's dW is then dz.T @ hidden[:, c:] ([V, r], not [V, H]);
+    naive and triton detach the frozen columns (the same gradient, no saving). When weight
+    requires grad and all N rows fit one workspace chunk, the torch path keeps the forward's
+    logits for dW (a second [N, V] fp32 buffer until the backward; reference.py).
+
     Returns the loss (a scalar, or [N] for reduction="none"), and with return_argmax=True
     a tuple (loss, argmax) where argmax [N] int64 is the student's greedy token per row,
     found in the same vocabulary pass (first index among exact ties).
     """
     _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass)
     _check_options(tail=tail, reduction=reduction, impl=impl, ce_weight=ce_weight, ce_targets=ce_targets)
+    if not 0 <= weight_grad_from <= hidden.shape[1]:
+        raise ValueError(f"sparse_kl_loss: weight_grad_from={weight_grad_from} must lie in [0, {hidden.shape[1]}] "
+                         "(a column of weight)")
     use_ce = ce_weight != 0.0
     impl = ("triton" if hidden.is_cuda else "torch") if impl == "auto" else impl
     if workspace_bytes is None:
@@ -127,6 +140,8 @@ def sparse_kl_loss(
     vocab_pass = tail == "bucket" or use_ce or return_argmax
     if impl == "triton" and not vocab_pass:
         impl = "torch"
+    if weight_grad_from and impl != "torch":
+        weight = torch.cat([weight[:, :weight_grad_from].detach(), weight[:, weight_grad_from:]], 1)
 
     n = hidden.shape[0]
     w = torch.ones(n, dtype=torch.float32, device=hidden.device) if weights is None else weights.float()
@@ -151,7 +166,8 @@ def sparse_kl_loss(
                                     workspace_bytes=workspace_bytes, config=triton_config)
     else:
         rows, argmax = _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
-                                   naive=impl == "naive", vocab_pass=vocab_pass, workspace_bytes=workspace_bytes)
+                                   naive=impl == "naive", vocab_pass=vocab_pass, workspace_bytes=workspace_bytes,
+                                   weight_grad_from=weight_grad_from)
     rows = torch.where(live, w * rows, 0.0)  # [N] fp32
     if reduction == "none":
         loss = rows
@@ -174,14 +190,14 @@ def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce
 
 
 def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, naive, vocab_pass,
-                workspace_bytes):
+                workspace_bytes, weight_grad_from):
     """The naive or chunked torch impl's [N] row losses and [N] argmax (kernel/reference.py)."""
     if naive:
         lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
     else:
         lse, z_sel, argmax = chunked_lse_gather(
             hidden, weight, ids, vocab_pass=vocab_pass, dense_grad=tail == "bucket" or ce_weight != 0.0,
-            workspace_bytes=workspace_bytes,
+            workspace_bytes=workspace_bytes, weight_grad_from=weight_grad_from,
         )
     return row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass), argmax
 

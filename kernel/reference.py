@@ -67,7 +67,13 @@ Implementations here:
   and the backward needs no second pass over the vocabulary for dX (N*k'*H work). The
   trade: when the caller never runs the backward the 2*N*H*V flops for `e_out` are wasted
   (skipped under `torch.no_grad()` or when hidden does not require grad). dW (a frozen
-  head in DFlash) is not row-separable and recomputes each chunk in the backward.
+  head in DFlash) is not row-separable and recomputes each chunk in the backward, unless
+  all N rows fit one chunk: then the forward keeps that chunk's logits (one [N, V] fp32
+  buffer, within `workspace_bytes`, held until the backward: two such buffers at the
+  forward's peak) and the backward reads them instead of a second [N, H] x [H, V] product;
+  the values are the same bits either way. `weight_grad_from`
+  c computes dW for the columns c: only (DSpark's head [W_head; markov_w2] trains its last
+  r columns: dz.T @ x[:, c:] instead of dz.T @ x, the others are returned as zeros).
 """
 
 from __future__ import annotations
@@ -91,6 +97,12 @@ LOGPROB_FLOOR = -1.0e4
 # 2,034 MiB of extra memory measured on an H200). kernel/sparse_kl.py, "Workspace".
 _DEFAULT_WORKSPACE_BYTES_CPU = 128 * 2**20
 _DEFAULT_WORKSPACE_BYTES_CUDA = 256 * 2**20
+
+# The [C, k', H] gathers of `gather_dot_f32` and `sparse_rows_f32` on CPU: a chunk of this
+# size stays in cache, where one fresh buffer of the whole workspace (tens of MB at N ~ 500,
+# k' 33, H 640) is written and read back from memory at about 3x the time. The result is the
+# same bits: each row's product is its own batch entry of the bmm.
+_GATHER_CHUNK_BYTES_CPU = 4 * 2**20
 
 
 def default_workspace_bytes(device: torch.device) -> int:
@@ -205,6 +217,11 @@ def slot_gradients(
     return total, first
 
 
+def _gather_bytes(workspace_bytes: int, device: torch.device) -> int:
+    """Bytes of one [C, k', H] fp32 gather chunk: the workspace, capped on CPU."""
+    return min(workspace_bytes, _GATHER_CHUNK_BYTES_CPU) if device.type == "cpu" else workspace_bytes
+
+
 def gather_dot_f32(
     hidden: torch.Tensor,  # [N, H]
     weight: torch.Tensor,  # [V, H]
@@ -213,7 +230,7 @@ def gather_dot_f32(
 ) -> torch.Tensor:
     """z_sel [N, k'] fp32: hidden[n] . weight[ids[n, i]], chunked to bound the [C, k', H] gather."""
     n, h = hidden.shape
-    rows_per_chunk = max(1, workspace_bytes // (4 * h * ids.shape[1]))
+    rows_per_chunk = max(1, _gather_bytes(workspace_bytes, hidden.device) // (4 * h * ids.shape[1]))
     out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)  # [N, k']
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, n)
@@ -231,7 +248,7 @@ def sparse_rows_f32(
     """[N, H] fp32: sum_i coef[n, i] * weight[ids[n, i]] (the sparse part of dX), chunked."""
     n, k = ids.shape
     h = weight.shape[1]
-    rows_per_chunk = max(1, workspace_bytes // (4 * h * k))
+    rows_per_chunk = max(1, _gather_bytes(workspace_bytes, weight.device) // (4 * h * k))
     out = torch.empty(n, h, dtype=torch.float32, device=weight.device)  # [N, H]
     for r0 in range(0, n, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, n)
@@ -244,8 +261,10 @@ class _ChunkedLseGather(torch.autograd.Function):
     """Vocabulary pass over row chunks; see the module docstring for the gradient split."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, vocab_pass, save_expectation, workspace_bytes):
-        # hidden [N, H], weight [V, H] (same dtype), ids [N, k'] int64
+    def forward(ctx, hidden, weight, ids, vocab_pass, save_expectation, keep_logits, weight_grad_from,
+                workspace_bytes):
+        # hidden [N, H], weight [V, H] (same dtype), ids [N, k'] int64; keep_logits: one chunk,
+        # whose logits the backward's dW reads instead of recomputing them
         n, h = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
@@ -257,6 +276,8 @@ class _ChunkedLseGather(torch.autograd.Function):
         lse = torch.zeros(n, dtype=torch.float32, device=dev)  # [N]
         argmax = torch.zeros(n, dtype=torch.int64, device=dev)  # [N]
         e_out = torch.zeros(n, h, dtype=torch.float32, device=dev) if save_expectation else None  # [N, H]
+        logits = None  # [N, V] fp32 when keep_logits
+        assert not keep_logits or (vocab_pass and n <= rows_per_chunk), "kept logits must be one chunk"
         if vocab_pass:
             z_sel = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
             for r0 in range(0, n, rows_per_chunk):
@@ -265,7 +286,11 @@ class _ChunkedLseGather(torch.autograd.Function):
                 z = matmul_f32(hidden[r0:r1], w_mm.T)  # [C, V] fp32, the only big buffer
                 z_sel[r0:r1] = z.gather(1, ids_c)
                 m, am = z.max(1)  # first index among ties, like torch.argmax
-                z.sub_(m[:, None]).exp_()
+                if keep_logits:
+                    logits, z = z, z - m[:, None]  # the same values as the in-place sub_ below
+                else:
+                    z.sub_(m[:, None])
+                z.exp_()
                 s = z.sum(1)  # [C]
                 lse[r0:r1] = m + s.log()
                 argmax[r0:r1] = am
@@ -279,14 +304,15 @@ class _ChunkedLseGather(torch.autograd.Function):
             z_sel = gather_dot_f32(hidden, weight, ids, workspace_bytes)
         ctx.rows_per_chunk = rows_per_chunk
         ctx.workspace_bytes = workspace_bytes
-        ctx.save_for_backward(hidden, weight, ids, lse, z_sel, e_out)
+        ctx.weight_grad_from = weight_grad_from
+        ctx.save_for_backward(hidden, weight, ids, lse, z_sel, e_out, logits)
         ctx.mark_non_differentiable(argmax)
         return lse, z_sel, argmax
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_lse, d_zsel, _d_argmax):
-        hidden, weight, ids, lse, z_sel, e_out = ctx.saved_tensors
+        hidden, weight, ids, lse, z_sel, e_out, logits = ctx.saved_tensors
         n = hidden.shape[0]
         total, first = slot_gradients(d_lse, d_zsel, lse, z_sel, ids)  # [N, k'] fp32, bool
         d_hidden = d_weight = None
@@ -298,20 +324,24 @@ class _ChunkedLseGather(torch.autograd.Function):
             d_hidden = d_hidden.to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             w_mm = weight if weight.dtype == torch.float32 or weight.is_cuda else weight.float()
+            c0 = ctx.weight_grad_from  # columns before c0 are frozen: their gradient stays 0
             d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V, H]
             for r0 in range(0, n, ctx.rows_per_chunk):
                 r1 = min(r0 + ctx.rows_per_chunk, n)
                 x_c = hidden[r0:r1]
                 if d_lse is None:
                     dz = torch.zeros(r1 - r0, weight.shape[0], dtype=torch.float32, device=weight.device)
+                elif logits is not None:
+                    dz = logits[r0:r1] - lse[r0:r1, None]  # [C, V] fp32, kept by the forward
+                    dz.exp_().mul_(d_lse[r0:r1, None])
                 else:
                     dz = matmul_f32(x_c, w_mm.T)  # [C, V] fp32, recomputed
                     dz.sub_(lse[r0:r1, None]).exp_().mul_(d_lse[r0:r1, None])
                 dz.scatter_(1, ids[r0:r1], total[r0:r1])  # exact values at the ids
-                d_weight.add_(matmul_f32(dz.T.to(w_mm.dtype), x_c.to(w_mm.dtype)))
+                d_weight[:, c0:].add_(matmul_f32(dz.T.to(w_mm.dtype), x_c[:, c0:].to(w_mm.dtype)))
                 del dz
             d_weight = d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
 
 
 def chunked_lse_gather(
@@ -322,12 +352,19 @@ def chunked_lse_gather(
     vocab_pass: bool,
     dense_grad: bool,
     workspace_bytes: int,
+    weight_grad_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse [N] fp32, z_sel [N, k'] fp32, argmax [N] int64) without materialising [N, V].
+    """(lse [N] fp32, z_sel [N, k'] fp32, argmax [N] int64) without materialising [N, V]
+    (except as the one chunk kept for dW, see the module docstring).
 
     vocab_pass False skips the vocabulary (lse and argmax are then zeros: renorm without
     CE needs only z_sel). dense_grad says whether lse reaches the loss, hence whether the
-    forward must store `e_out` for dX.
+    forward must store `e_out` for dX. weight_grad_from: the first column of weight whose
+    gradient is computed; the columns before it get a zero gradient.
     """
-    save_expectation = vocab_pass and dense_grad and torch.is_grad_enabled() and hidden.requires_grad
-    return _ChunkedLseGather.apply(hidden, weight, ids, vocab_pass, save_expectation, workspace_bytes)
+    grad = torch.is_grad_enabled()
+    save_expectation = vocab_pass and dense_grad and grad and hidden.requires_grad
+    keep_logits = (vocab_pass and dense_grad and grad and weight.requires_grad
+                   and 4 * hidden.shape[0] * weight.shape[0] <= workspace_bytes)
+    return _ChunkedLseGather.apply(hidden, weight, ids, vocab_pass, save_expectation, keep_logits,
+                                   weight_grad_from, workspace_bytes)

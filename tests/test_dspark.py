@@ -123,9 +123,11 @@ def _head(seed: int = 3) -> TargetHead:
 
 
 @pytest.mark.parametrize("impl", ["naive", "torch", "triton"])
-def test_markov_bias_in_the_fused_loss_equals_dense_logits(impl):
+@pytest.mark.parametrize("weight_grad_from", [0, H], ids=["full-dW", "markov-columns"])
+def test_markov_bias_in_the_fused_loss_equals_dense_logits(impl, weight_grad_from):
     """[h; e] @ [W; W2]^T is the DSpark logits: loss and gradients (rows, markov_w1, markov_w2)
-    against a dense float64 reference of softmax(h W^T + W2 e) and the bucket KL."""
+    against a dense float64 reference of softmax(h W^T + W2 e) and the bucket KL, with dW over
+    the whole head, or over markov_w2's columns only (fit's call)."""
     dtype = torch.float32 if impl == "triton" else torch.float64  # the Triton path takes fp32/bf16
     model = make_dspark(confidence=False).to(dtype)
     head = _head()
@@ -139,7 +141,8 @@ def test_markov_bias_in_the_fused_loss_equals_dense_logits(impl):
     weights = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
 
     hidden, weight, _ = loss_operands(model, rows, head, prev)
-    loss = sparse_kl_loss(hidden, weight, ids, logprobs, weights, impl=impl, reduction="sum")
+    loss = sparse_kl_loss(hidden, weight, ids, logprobs, weights, impl=impl, reduction="sum",
+                          weight_grad_from=weight_grad_from)
     loss.backward()
     got = [rows.grad.clone(), model.markov_head.markov_w1.weight.grad.clone(),
            model.markov_head.markov_w2.weight.grad.clone()]

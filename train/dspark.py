@@ -23,12 +23,14 @@ sequence's own token, as speculators' DSpark trains it. The Markov bias then ent
 fused sparse-KL loss as the backbone's logits, through concatenation:
 `[h; e] @ [W_head; markov_w2]^T = h W_head^T + markov_w2 e` with e = markov_w1[t] ([N, r]),
 so the loss kernel sees hidden [N, H + r] and a head [V_draft, H + r] whose last r columns
-need a gradient (the kernel's dW path: 8NHV flops instead of 4NHV, the price of not
-writing a second kernel). The confidence head is trained by binary cross-entropy towards the
-position's acceptance rate under rejection sampling, sum_v min(p_v, q_v) = 1 - TV(p, q), as
-the paper and speculators do; from a cache that holds only the target's top-k, the sum runs
-over the top-k ids (a lower bound, exact when the target's tail mass is 0). It is detached:
-the confidence loss trains the confidence head alone.
+need a gradient: `sparse_kl_loss(..., weight_grad_from=H)` forms dW for those columns only
+(dz.T @ e, 2NrV flops, not 2N(H + r)V), and on CPU, where the demo's N x V_draft logits fit
+one chunk, reads the forward's logits instead of recomputing them. The confidence head is
+trained by binary cross-entropy towards the position's acceptance rate under rejection
+sampling, sum_v min(p_v, q_v) = 1 - TV(p, q), as the paper and speculators do; from a cache
+that holds only the target's top-k, the sum runs over the top-k ids (a lower bound, exact
+when the target's tail mass is 0). It is detached: the confidence loss trains the
+confidence head alone.
 """
 
 from __future__ import annotations

@@ -592,7 +592,9 @@ def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model
     (train/dspark.py), and its confidence head's loss."""
     ids, logprobs, weights = batch.topk_ids, batch.topk_logprobs, batch.weights
     embed, backbone_rows = None, rows
+    frozen_columns = 0  # the head's columns that get no gradient: DSpark's frozen lm_head before markov_w2
     if model is not None and dspark.is_dspark(model):
+        frozen_columns = rows.shape[1]
         rows, weight, embed = dspark.loss_operands(model, rows, head, batch.label_tokens)
         head = dataclasses.replace(head, lm_head=weight)
     if head.draft_ids is None:
@@ -603,12 +605,13 @@ def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model
     if config.loss == "ce":
         # k = 1 with log-prob 0 on the target's top-1: the tail bucket is empty, the row is CE.
         loss, argmax = sparse_kl_loss(rows, head.lm_head, top1[:, None], torch.zeros_like(logprobs[:, :1]),
-                                      weights, tail="bucket", reduction="sum", return_argmax=True)
+                                      weights, tail="bucket", reduction="sum", return_argmax=True,
+                                      weight_grad_from=frozen_columns)
     else:
         ce_weight = config.ce_weight if config.loss == "kl+ce" else 0.0
         loss, argmax = sparse_kl_loss(rows, head.lm_head, ids, logprobs, weights, tail="bucket", reduction="sum",
                                       ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
-                                      return_argmax=True)
+                                      return_argmax=True, weight_grad_from=frozen_columns)
     if embed is not None and model.confidence_head is not None:
         loss = loss + dspark.confidence_loss(model, backbone_rows, embed, rows, head.lm_head, ids, logprobs, weights)
     return loss, head.to_target(argmax)
