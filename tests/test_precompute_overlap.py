@@ -17,7 +17,7 @@ from dflash.shards.files import file_digest, file_sha256
 from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import RECORDS, build_target, killed_precompute, precompute_config, write_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
