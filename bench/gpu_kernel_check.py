@@ -159,9 +159,11 @@ def parity(checks: Checks, device: torch.device, shape, kw: dict) -> None:
 
 
 def time_ms(fn, device: torch.device, iters: int) -> float:
-    """Median of iters timed calls after one warm-up (CUDA events on a GPU)."""
-    fn()
-    sync(device)
+    """Median of iters timed calls (CUDA events on a GPU, after one warm-up call that compiles
+    and fills caches; the CPU smoke's interpreter has nothing to warm, so it times at once)."""
+    if device.type == "cuda":
+        fn()
+        sync(device)
     times = []
     for _ in range(iters):
         if device.type == "cuda":

@@ -29,13 +29,13 @@ def seed() -> int:
     return 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """One intra-op torch thread for the test. Tiny models run as fast on one, many threads
-    on oversubscribed cores (parallel jobs, shared CI cores) slow them down several times,
-    and runs compared bit for bit need one summation order. Modules opt in with
-    `pytestmark = pytest.mark.usefixtures("one_thread")` (module scope, so that module-scoped
-    fixtures that run models get it too)."""
+    """One intra-op torch thread for every test (session scope, so that module-scoped fixtures
+    that run models get it too). Tiny models run as fast on one; two threads on a 2-core CI
+    machine slow them down several times as soon as anything else runs (a spawned rank, a
+    subprocess, a server), and runs compared bit for bit need one summation order. A test that
+    is about thread counts sets its own and restores this one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

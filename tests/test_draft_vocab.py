@@ -25,8 +25,6 @@ from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def test_choose_orders_by_count_then_id():
     counts = np.array([0, 5, 2, 5, 0, 9, 2])

@@ -17,8 +17,6 @@ from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, Drafte
 H = 32
 MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def make_config(**overrides) -> DrafterConfig:
     values = dict(num_hidden_layers=3, vocab_size=50, target_layer_ids=[1, 4, 7], num_target_layers=10,

@@ -42,7 +42,7 @@ from bench.engine_check import (
     run_engine_check,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.engine, pytest.mark.e2e]
 
 GOOD = [name for family in FAMILIES.values() for name in family.good_cases()]
 

@@ -102,11 +102,20 @@ def test_vllm_regenerates_the_targets_greedy_replies_with_the_template_kwargs(ta
     assert lengths["no-thinking"] - lengths["plain"] == len("<think>\n\n</think>\n\n")  # one token per character
 
 
-def test_client_killed_mid_run_then_rerun_equals_uninterrupted(server, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(server, tmp_path_factory) -> tuple[list[dict], Path, Path]:
+    """48 records, their file and the uninterrupted run's output over them: what both kill tests'
+    resumed runs must equal (one run for both; neither writes to it)."""
+    work = tmp_path_factory.mktemp("uninterrupted")
     records = _records(48)
-    data = write_jsonl(tmp_path / "in.jsonl", records)
-    reference = tmp_path / "ref.jsonl"
+    data = write_jsonl(work / "in.jsonl", records)
+    reference = work / "ref.jsonl"
     run_regenerate(_config(data, reference, server))
+    return records, data, reference
+
+
+def test_client_killed_mid_run_then_rerun_equals_uninterrupted(server, uninterrupted, tmp_path):
+    records, data, reference = uninterrupted
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "dflash.precompute.regenerate_cli", "--data", str(data), "--out", str(out),
                "--server", server, "--max-new-tokens", "16", "--concurrency", "3", "--no-progress",
@@ -124,11 +133,8 @@ def test_client_killed_mid_run_then_rerun_equals_uninterrupted(server, tmp_path)
 
 
 def test_server_killed_mid_run_then_rerun_completes_nothing_lost_or_sent_twice(target, venv_python, server,
-                                                                              tmp_path):
-    records = _records(48)
-    data = write_jsonl(tmp_path / "in.jsonl", records)
-    reference = tmp_path / "ref.jsonl"
-    run_regenerate(_config(data, reference, server))
+                                                                              uninterrupted, tmp_path):
+    records, data, reference = uninterrupted
     out = tmp_path / "out.jsonl"
     dying, url = _start(target, venv_python, tmp_path / "dying.log")
     try:

@@ -28,8 +28,6 @@ from dflash.train.online import load_prompts
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 class StubDrafter(nn.Module):
     """Returns one-hot hidden states: block position k of the block anchored at a "predicts"

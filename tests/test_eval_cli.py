@@ -29,7 +29,7 @@ from dflash.train.synthetic import write_synthetic_training_cache
 LAYER_IDS = [1, 3]
 
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 def last_json(output: str) -> dict:

@@ -23,8 +23,6 @@ V, H, NUM_LAYERS = 64, 32, 6
 LAYER_IDS = [1, 3]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def any_target(request):

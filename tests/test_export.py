@@ -17,8 +17,6 @@ from dflash.train.model import BlockLayout, DFlashDrafter, DrafterConfig, Drafte
 
 H, V, LAYERS = 32, 50, 3  # H: the hidden size of dflash.testing.builders.drafter_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def make_config(**overrides) -> DrafterConfig:
     """Every field away from its default, so that a field lost on the way shows."""

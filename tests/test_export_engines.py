@@ -18,8 +18,6 @@ from dflash.train.export import export_command, model_card, write_export
 from dflash.train.loading import LoadedDrafter
 from dflash.train.model import DFlashDrafter
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # The keys each engine's DFlash loader reads from config.json (top level unless dotted).
 VLLM_KEYS = ["model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias",

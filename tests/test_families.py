@@ -32,7 +32,7 @@ from dflash.testing.builders import RECORDS, precompute_config, tiny_fit_config,
 from dflash.testing.families import FAMILIES, WINDOW, build_family_target
 from dflash.train.serving import VLLM_CPU_CANNOT, VLLM_REFUSES, VLLM_VERSION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 2]  # of 4 layers: the DFlash rule's range (second to third-to-last) and one more

@@ -46,7 +46,7 @@ def ws(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("faults"), seed=0)
 
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 def rng(*key: int) -> np.random.Generator:

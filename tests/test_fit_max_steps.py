@@ -10,7 +10,7 @@ from dflash.testing.builders import fit_cache, tiny_fit_config
 from dflash.train.config import FitConfig
 from dflash.train.fit import fit
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,6 @@ from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 RUN_BLOCK = 4  # the run's block size; the sources are made for 8 (block size may differ)
 
 

@@ -15,8 +15,6 @@ from dflash.train.fit import fit
 from dflash.train.model import TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def tiny(kind: str):
     from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM

@@ -24,7 +24,7 @@ from dflash.shards.codecs import topk_kl
 from dflash.shards.records import normalize_record
 from dflash.testing.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from dflash.testing.builders import (
     write_jsonl,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 CODEC = dict(feature_codec="basis-fp8", feature_rank=24, basis_sample_tokens=200, shard_max_rows=2)
 

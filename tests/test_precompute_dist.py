@@ -27,7 +27,7 @@ from dflash.testing.builders import (
     write_jsonl,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

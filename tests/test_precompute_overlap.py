@@ -17,7 +17,7 @@ from dflash.shards.files import file_digest, file_sha256
 from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import RECORDS, build_target, killed_precompute, precompute_config, write_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,9 @@ def test_writer_thread_and_device_encoding_keep_the_bytes(reference, target, dat
     assert (summary.encode_s > 0) == on_device
 
 
+# The two kill-and-resume tests take one codec each (a killed stage one is a subprocess that
+# loads torch and the target: the slow part of this file); both codecs are killed and resumed.
+@pytest.mark.parametrize("reference", ["fp8"], indirect=True)
 def test_kill_and_resume_with_the_writer_thread_keeps_the_bytes(reference, target, data, tmp_path):
     codec, expected = reference
     config = precompute_config(target, data, tmp_path / "cache", feature_codec=codec, writer_thread="on")
@@ -110,6 +113,7 @@ def test_xxh3_shard_checksums_keep_the_shards_and_make_manifest_version_3(refere
         open_cache(out)
 
 
+@pytest.mark.parametrize("reference", ["bf16"], indirect=True)
 def test_an_old_sha256_cache_resumes_under_the_xxh3_default(reference, target, data, tmp_path):
     """A cache killed while a version before the xxh3-128 default wrote it (sha256, the same
     bytes as `--shard-checksum sha256` today) resumes with the default: the sealed shards keep

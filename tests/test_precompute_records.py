@@ -26,8 +26,6 @@ from dflash.testing.builders import (
     write_jsonl,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 PROMPTS = [{"messages": [{"role": "user", "content": "Hello there!"}]},
            {"prompt": "What is the capital of France?"}]
 # The same prompts with replies: regeneration replaces the replies, so both give one cache.

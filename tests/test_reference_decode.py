@@ -26,8 +26,6 @@ V, NUM_LAYERS, LAYER_IDS, BLOCK = 64, 6, [1, 3], 4
 TOKENIZER_IDS = 60  # the tokenizer defines ids 0..59; rows 60..63 are spare, as Qwen3's past 151668
 MAX_NEW_TOKENS = 48
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @torch.inference_mode()
 def reference_style_generate(target, drafter: DFlashDrafter, head: TargetHead, prompt: list[int], *,

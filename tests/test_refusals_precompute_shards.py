@@ -21,8 +21,6 @@ from dflash.shards.target_info import TargetInfo
 from dflash.testing.builders import RECORDS, build_target, precompute_config, write_jsonl
 from dflash.train.cli import main as train_main
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:

@@ -23,8 +23,6 @@ import torch
 from dflash.testing.builders import tiny_causal_lm
 from dflash.train.speculative import MatchSampler, greedy_generate, speculative_generate
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 V, K, BLOCK, T = 8, 3, 3, 1.0
 LAYER_IDS = [0, 1]
 PROMPT = [1, 5, 2, 7]

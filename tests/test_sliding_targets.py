@@ -9,8 +9,6 @@ import torch
 
 from dflash.train.speculative import greedy_generate, speculative_generate
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WINDOW = 6
 PROMPT = [3, 9, 4, 1, 7, 2, 8, 5, 6, 3, 1, 4]  # longer than the window
 

@@ -15,8 +15,6 @@ from dflash.train.online import ChatRenderer, evaluate_online, suite_prompts
 from dflash.train.speculative import DrafterProposer
 from dflash.train.suites import MATH_SUFFIX, SUITES, load_suite, suite_specs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # Two rows per suite in the hub dataset's columns, and the first row's user turns as z-lab's
 # benchmark formats them.
 ROWS = {

@@ -318,28 +318,43 @@ def _final_state(run: Path) -> tuple[dict, dict]:
     return load_file(str(last / "model.safetensors")), torch.load(last / "optimizer.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def one_process_run(cache_dir, tmp_path_factory):
+    """The single-process run that the 2-rank runs are compared with, by draft vocabulary: fitted
+    in this process once, and shared by the DDP and FSDP cases (its config has no `parallel`).
+    The comparison is within fp32 tolerance, so this run's thread count does not matter."""
+    runs = {}
+
+    def run(draft_vocab) -> Path:
+        if draft_vocab not in runs:
+            out = tmp_path_factory.mktemp("one-process") / "run"
+            fit(tiny_config(cache_dir, out, max_steps=4, anchors_per_seq=5, eval_every=2, draft_vocab=draft_vocab))
+            runs[draft_vocab] = out
+        return runs[draft_vocab]
+
+    return run
+
+
 @pytest.mark.parametrize("parallel,draft_vocab", [("ddp", None), ("fsdp", None), ("fsdp", 24)])
-def test_two_ranks_equal_one_rank(cache_dir, tmp_path, parallel, draft_vocab):
+def test_two_ranks_equal_one_rank(cache_dir, one_process_run, tmp_path, parallel, draft_vocab):
     # 24 blocks per step of 5 per sequence: each rank's 12 blocks end mid-sequence. With a
     # draft vocabulary each rank counts half the sample and the counts are summed.
-    one = tiny_config(cache_dir, tmp_path / "one", max_steps=4, anchors_per_seq=5, eval_every=2,
-                      draft_vocab=draft_vocab)
+    one = one_process_run(draft_vocab)
     two = tiny_config(cache_dir, tmp_path / "two", max_steps=4, anchors_per_seq=5, eval_every=2,
                       parallel=parallel, draft_vocab=draft_vocab)
-    _spawn(1, one)
     _spawn(2, two)
-    lines_one = read_lines(tmp_path / "one" / "metrics.jsonl")
+    lines_one = read_lines(one / "metrics.jsonl")
     lines_two = read_lines(tmp_path / "two" / "metrics.jsonl")
     # Same global batch, same weights: only the order of fp32 sums differs.
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([x[key] for x in lines_two], [x[key] for x in lines_one], rtol=1e-5)
     assert [x["tokens"] for x in lines_two] == [x["tokens"] for x in lines_one]
     assert read_lines(tmp_path / "two" / "events.jsonl")[0]["parallel"] == parallel
-    evals = [[e for e in read_lines(tmp_path / run / "events.jsonl") if e["event"] == "eval"] for run in ("one", "two")]
+    evals = [[e for e in read_lines(run / "events.jsonl") if e["event"] == "eval"] for run in (one, tmp_path / "two")]
     assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]] == [2, 4]
     for key in ("loss", "tau"):
         np.testing.assert_allclose([e[key] for e in evals[1]], [e[key] for e in evals[0]], rtol=1e-5)
-    (a, optim_a), (b, optim_b) = _final_state(tmp_path / "one"), _final_state(tmp_path / "two")
+    (a, optim_a), (b, optim_b) = _final_state(one), _final_state(tmp_path / "two")
     assert sorted(b) == sorted(a)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
