@@ -20,7 +20,6 @@ from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 
 H, V, R = 32, 50, 6  # H: dflash.testing.builders.drafter_config's hidden size
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_dspark(confidence: bool = True, draft_vocab: int | None = None, seed: int = 0) -> DSparkDrafter:

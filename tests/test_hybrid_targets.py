@@ -32,8 +32,6 @@ from dflash.testing.builders import HYBRID_KINDS, char_tokenizer, tiny_causal_lm
 from dflash.train.speculative import MatchSampler, greedy_generate, speculative_generate
 from dflash.train.target_cache import rollback_refusal
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 V = 64
 PROMPT = [3, 9, 4, 1, 7, 2, 8, 5, 6, 3, 1, 4, 11, 40, 23]
 LAYER_IDS = [0, 2]

@@ -20,8 +20,6 @@ from dflash.testing.builders import tiny_causal_lm, tiny_hybrid_lm
 from dflash.train.speculative import greedy_generate, speculative_generate
 from dflash.train.target_cache import cache_kwarg, record_past, rollback_refusal
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WINDOW = 6
 PROMPT = [3, 9, 4, 1, 7, 2, 8, 5, 6, 3, 1, 4]  # longer than the window
 V = 32
