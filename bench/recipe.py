@@ -130,6 +130,9 @@ VARIANTS.update({
     "dspark block 3": {**DEMO_V3, **DSPARK},  # the demo's drafter since it won here on tau, 3 seeds
     "dspark block 3 (rank 256)": {**DEMO_V3, **DSPARK, "markov_rank": 256},
     "dspark block 3 + confidence": {**DEMO_V3, **DSPARK, "confidence_head": True},
+    # the first run under 10 minutes (issue 44): on a cache of half the conversations
+    # (`python -m demo.run --num-conversations 384`), three quarters of the steps
+    "dspark block 3 (900 steps)": {**DEMO_V3, **DSPARK, "max_steps": 900},
     # block 4 or more, where the Markov head has more positions to help: 128 blocks of 4
     "demo at block 4": {**DEMO_V3, "block_size": 4, "tokens_per_step": 512},
     "dspark block 4": {**DEMO_V3, **DSPARK, "block_size": 4, "tokens_per_step": 512},
