@@ -1,7 +1,7 @@
 """The embedded default, end to end: a DSpark drafter (DFlash's backbone plus a Markov head:
 each draft sees the one before it) for SmolLM2-135M-Instruct on chitchat conversations, on a
-laptop CPU, in under 10 minutes from a fresh clone (`make demo`, which runs
-`python -m demo.run` from the repository root); on a GPU where there is one (`--device`).
+laptop CPU, in about 12 minutes from a fresh clone on 2 cores (`make demo`, which runs
+`python -m demo.run` from the repository root); on the GPU where there is one (`--device`).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
 prepare the target and prompts (dflash.testing.prepare), `dflash-precompute --regenerate`,
