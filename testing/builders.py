@@ -251,6 +251,31 @@ def tiny_hybrid_lm(kind: str, *, vocab_size: int = 64, hidden_size: int = 32, to
     return model
 
 
+
+class HalfRightProposer:
+    """A proposer (train/speculative.py's protocol) for a random target: it drafts the target's
+    greedy next token first and a wrong one after it, so that every verify accepts some drafts
+    and rejects one, and the target's cache is cropped each time. `prompt` is the decoded
+    prompt; `vocab_size` the target's (the wrong draft is the right one plus one, wrapped)."""
+
+    def __init__(self, target, prompt: list[int], vocab_size: int):
+        self.target, self.prompt, self.vocab_size = target, list(prompt), vocab_size
+        self.tokens, self.block = [], []
+
+    def reset(self) -> None:
+        self.tokens, self.block = [], []
+
+    def commit(self, features: torch.Tensor) -> None:
+        self.tokens = list(self.prompt) if not self.tokens else self.tokens + self.block[:features.shape[0]]
+
+    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        with torch.no_grad():
+            right = int(self.target(torch.tensor([self.tokens + [anchor_token]])).logits[0, -1].argmax())
+        drafts = [right] + [(right + 1) % self.vocab_size] * (block_size - 2)
+        self.block = [anchor_token] + drafts
+        return drafts
+
+
 CHAR_CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -7,6 +7,7 @@ passes the window. Lossless: the output equals the target's own greedy output.""
 import pytest
 import torch
 
+from dflash.testing.builders import HalfRightProposer
 from dflash.train.speculative import greedy_generate, speculative_generate
 
 WINDOW = 6
@@ -31,32 +32,12 @@ def sliding_target(kind: str):
     return GptOssForCausalLM(GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1)).eval()
 
 
-class HalfRightProposer:
-    """Drafts the target's greedy next token first and a wrong one after it, so that every
-    verify accepts some drafts and rejects one (the cache is cropped each time)."""
-
-    def __init__(self, target):
-        self.target, self.tokens, self.block = target, [], []
-
-    def reset(self) -> None:
-        self.tokens, self.block = [], []
-
-    def commit(self, features: torch.Tensor) -> None:
-        self.tokens = list(PROMPT) if not self.tokens else self.tokens + self.block[:features.shape[0]]
-
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
-        with torch.no_grad():
-            right = int(self.target(torch.tensor([self.tokens + [anchor_token]])).logits[0, -1].argmax())
-        drafts = [right] + [(right + 1) % 32] * (block_size - 2)
-        self.block = [anchor_token] + drafts
-        return drafts
-
 
 @pytest.mark.parametrize("kind", ["qwen3", "gpt-oss", "gemma2"])
 def test_speculative_decoding_is_lossless_past_the_window(kind):
     target = sliding_target(kind)
     greedy = greedy_generate(target, PROMPT, max_new_tokens=24, stop_token_ids=set())
-    spec = speculative_generate(target, HalfRightProposer(target), PROMPT, max_new_tokens=24, block_size=3,
+    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, 32), PROMPT, max_new_tokens=24, block_size=3,
                                 layer_ids=[0, 1], stop_token_ids=set())
     assert len(PROMPT) + len(spec.tokens) > 2 * WINDOW
     assert spec.tokens == greedy.tokens

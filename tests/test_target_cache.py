@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from dflash.testing.builders import tiny_causal_lm, tiny_hybrid_lm
+from dflash.testing.builders import HalfRightProposer, tiny_causal_lm, tiny_hybrid_lm
 from dflash.train.speculative import greedy_generate, speculative_generate
 from dflash.train.target_cache import cache_kwarg, record_past, rollback_refusal
 
@@ -79,26 +79,6 @@ def target_of(kind: str) -> torch.nn.Module:
     return Gemma2ForCausalLM(Gemma2Config(**common)).eval()
 
 
-class HalfRightProposer:
-    """Drafts the target's greedy next token, then wrong ones: every verify accepts a draft and
-    rejects one, so the cache is cropped each time."""
-
-    def __init__(self, target):
-        self.target, self.tokens, self.block = target, [], []
-
-    def reset(self) -> None:
-        self.tokens, self.block = [], []
-
-    def commit(self, features: torch.Tensor) -> None:
-        self.tokens = list(PROMPT) if not self.tokens else self.tokens + self.block[:features.shape[0]]
-
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
-        with torch.no_grad():
-            right = int(self.target(torch.tensor([self.tokens + [anchor_token]])).logits[0, -1].argmax())
-        drafts = [right] + [(right + 1) % V] * (block_size - 2)
-        self.block = [anchor_token] + drafts
-        return drafts
-
 
 @pytest.mark.parametrize("kind, recording", [("llama", [False, False]), ("qwen3-sliding", [True, False]),
                                              ("gemma2", [True, False])])
@@ -119,7 +99,7 @@ def test_dense_and_sliding_decoding_is_exact(form, kind):
     target = target_of(kind)
     assert rollback_refusal(target) is None
     greedy = greedy_generate(target, PROMPT, max_new_tokens=24, stop_token_ids=set())
-    spec = speculative_generate(target, HalfRightProposer(target), PROMPT, max_new_tokens=24, block_size=3,
+    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=24, block_size=3,
                                 layer_ids=[0, 1], stop_token_ids=set())
     assert len(PROMPT) + len(spec.tokens) > 2 * WINDOW  # past the window: crops act on the sliding layer
     assert spec.tokens == greedy.tokens
@@ -135,5 +115,5 @@ def test_a_hybrid_without_per_token_recurrent_states_is_refused_by_name_and_vers
             f"qwen3_next's recurrent state; this is {form}")
     assert rollback_refusal(target) == line
     with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
-        speculative_generate(target, HalfRightProposer(target), PROMPT, max_new_tokens=8, block_size=4,
+        speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=8, block_size=4,
                              layer_ids=[0, 2], stop_token_ids=set())
