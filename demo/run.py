@@ -1,6 +1,6 @@
 """The embedded default, end to end: a DSpark drafter (DFlash's backbone plus a Markov head:
 each draft sees the one before it) for SmolLM2-135M-Instruct on chitchat conversations, on a
-laptop CPU, in about 12 minutes from a fresh clone on 2 cores (`make demo`, which runs
+laptop CPU, in under 10 minutes from a fresh clone on 2 cores (`make demo`, which runs
 `python -m demo.run` from the repository root); on the GPU where there is one (`--device`).
 
 It runs the real commands a user runs, in subprocesses, so that each shows its own progress:
@@ -11,14 +11,15 @@ trained drafter offline and online (real speculative decoding against the target
 (default `.demo/` in the repository); a rerun reuses what is there: the prepared target and
 prompts, the finished cache, the finished run.
 
-The sizes are chosen for 2 CPU cores, not for quality: one drafter layer, a Markov head of
-rank 64, block size 3, 768
-one-exchange conversations whose replies the target regenerates greedily, 1,200 steps, and a
-draft vocabulary of the 4,096 most frequent reply tokens (scoring the whole 49,152-row head
-was most of a training step and of a draft). Each of these is the best measured within the
-demo's time (bench/RESULTS.md "recipe" has every change tried, with 3 seeds; DSpark beat
-DFlash there on tau offline and online, on every seed, at the same budget). `--drafter dflash`
-trains the plain DFlash drafter instead.
+The sizes are chosen for 2 CPU cores and a first run under 10 minutes, not for quality: one
+drafter layer, a Markov head of rank 64, block size 3, 384 one-exchange conversations whose
+replies the target regenerates greedily, 900 steps, and a draft vocabulary of the 4,096 most
+frequent reply tokens (scoring the whole 49,152-row head was most of a training step and of a
+draft). Twice the conversations and 1,200 steps (`--num-conversations 768 --max-steps 1200`)
+score about 2.5% higher offline and 10% online over 3 seeds, in 4 more minutes (bench/RESULTS.md
+"recipe", 2026-12-05). The rest is the best measured within the demo's time (bench/RESULTS.md
+"recipe" has every change tried, with 3 seeds; DSpark beat DFlash there on tau offline and
+online, on every seed, at the same budget). `--drafter dflash` trains the plain DFlash drafter instead.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class DemoConfig:
     work_dir: Path = field(default_factory=_default_work_dir, metadata={PATH: "dir"})
     """Where the target, prompts, cache and run live; DFLASH_DEMO_DIR sets the default (else .demo in
     the repository)."""
-    num_conversations: int = 768
+    num_conversations: int = 384
     """chitchat conversations cached (the first exchange of each; the target regenerates the
     replies)."""
     human_conversations: int = 0
@@ -89,7 +90,7 @@ class DemoConfig:
     """Blocks drawn per sequence per epoch."""
     tokens_per_step: int = 510
     """Block tokens per optimizer step (170 blocks of 3)."""
-    max_steps: int = 1200
+    max_steps: int = 900
     """Training steps."""
     lr: float = 1e-3
     """Peak learning rate (higher than fit's 6e-4: the demo trains only briefly)."""
