@@ -234,6 +234,7 @@ def run_demo(config: DemoConfig) -> None:
 
     cache, run_dir = work / "cache", work / "run"
     regenerate = True
+    stage_began = time.monotonic()  # stage one: a server's regeneration included
     if config.server or config.vllm_server:  # the same replies from a serving engine; the cache is built from them
         from dflash.precompute.local_server import local_server
 
@@ -246,7 +247,6 @@ def run_demo(config: DemoConfig) -> None:
                  "--max-new-tokens", str(config.max_new_tokens), "--concurrency", "64" if options else "4",
                  "--json"])
         data, regenerate = regenerated, False
-    stage_began = time.monotonic()
     precompute = run(precompute_command(config, target=target, data=data, out=cache, regenerate=regenerate),
                      capture_json=True)
 
