@@ -231,8 +231,8 @@ def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep:
     tokenizer's template alone when no cache is given."""
     from transformers import AutoTokenizer
 
+    from dflash.common.records import iter_records, prompt_messages
     from dflash.shards import open_cache
-    from dflash.shards.records import iter_records, prompt_messages
     from dflash.train.chat_template import resolve_template_settings
     from dflash.train.online import load_prompts
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 from bench.loss_bench import chunked_cublas_step, make_inputs
-from dflash.kernels import sparse_kl_loss
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.kernels.reference import default_workspace_bytes
 
 FULL = (16384, 4096, 151936, 32)
@@ -115,7 +115,7 @@ def parity(checks: Checks, device: torch.device, shape, kw: dict) -> None:
     checks.check("bf16 triton dX error minus bf16 form's", rel(dx, ref_dx) - rel(base_dx, ref_dx), 2.0**-9)
     del ref_dx, dx, base_dx
     # The training call: reduction "sum" with row weights, a third of them 0 (dX stored
-    # weighted, in bf16: kernel/sparse_kl.py, _TritonSparseKLReduced).
+    # weighted, in bf16: kernels/sparse_kl.py, _TritonSparseKLReduced).
     weights = torch.rand(n_full, generator=torch.Generator().manual_seed(1)).to(device) + 0.5
     weights[1::3] = 0.0
     ref_loss, _, ref_dx, _, _ = run("torch", hidden.float(), weight.float(), ids, logprobs, weights=weights,

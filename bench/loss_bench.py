@@ -44,7 +44,7 @@ from datetime import date
 
 import torch
 
-from dflash.kernels import sparse_kl_loss
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.kernels.reference import default_workspace_bytes, matmul_f32
 
 CPU_SHAPE = (4096, 576, 49152, 32)

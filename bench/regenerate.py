@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def prompts_file(work_dir: Path, num_prompts: int, out: Path) -> Path:
     """The first `num_prompts` records of the demo's chitchat.jsonl (prepared when absent)."""
-    from dflash.shards.records import iter_records
+    from dflash.common.records import iter_records
     from dflash.testing.prepare import prepare_chitchat
 
     source = prepare_chitchat(work_dir / "chitchat.jsonl", limit=256, max_turns=2)
@@ -75,8 +75,8 @@ def server_rows(path: str, url: str, data: Path, reference: list[str], out_dir: 
                 args: argparse.Namespace) -> list[dict]:
     """dflash-regenerate against the server at `url`, warmed by one request, at each
     concurrency of args.concurrency: one row each."""
+    from dflash.common.records import iter_records
     from dflash.precompute.regenerate import RegenerateConfig, run_regenerate
-    from dflash.shards.records import iter_records
 
     stem = path.replace(" ", "-")
     run_regenerate(RegenerateConfig(data=[data], out=out_dir / f"{stem}-warmup.jsonl", servers=[url], limit=1,

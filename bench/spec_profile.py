@@ -82,7 +82,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from dflash.shards.records import iter_records
+    from dflash.common.records import iter_records
     from dflash.train.data import held_out_mask
     from dflash.train.evaluate import load_target
     from dflash.train.loading import load_drafter

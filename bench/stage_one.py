@@ -52,11 +52,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
+from dflash.common.files import file_sha256
 from dflash.precompute.device_codecs import DEVICE_CODECS, encode_features
 from dflash.precompute.target import _features_to_numpy, to_host
 from dflash.shards import CacheSpec, CacheWriter, codecs, rows
 from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import file_sha256
 from dflash.shards.writer import validate_row
 
 # Qwen3-8B: 36 layers of hidden 4096, vocabulary 151,936; the DFlash rule's 5 feature layers.

@@ -40,7 +40,7 @@ STARTS = {
 
 
 def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_weight: float = 0.5) -> list[dict]:
-    from dflash.kernels import sparse_kl_loss
+    from dflash.kernels.loss import sparse_kl_loss
     from dflash.shards import open_cache
     from dflash.train.config import ModelConfig
     from dflash.train.data import Corpus, Segment, decay_gamma, read_batch

@@ -24,8 +24,9 @@ from typing import Any
 
 import click
 
-from dflash.shards.commands import DflashCommand
-from dflash.shards.options import ONLY_ON, PATH, SEPARATOR, config_options, given
+from demo import default_work_dir
+from dflash.common.commands import DflashCommand
+from dflash.common.options import ONLY_ON, PATH, SEPARATOR, config_options, given
 
 # A few prompts per suite, written for the demo in the suite's columns (not the suite's data).
 DEMO_ROWS: dict[str, list[dict[str, Any]]] = {
@@ -130,15 +131,9 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _default_work_dir() -> Path:
-    from demo.run import _default_work_dir as demo_work_dir
-
-    return demo_work_dir()
-
-
 @dataclass(kw_only=True)
 class OutOfDomainConfig:
-    work_dir: Path = field(default_factory=_default_work_dir, metadata={PATH: "dir"})
+    work_dir: Path = field(default_factory=default_work_dir, metadata={PATH: "dir"})
     """A finished demo's folder (target, prompts, cache and run); DFLASH_DEMO_DIR sets the default."""
     suites: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval"], metadata={SEPARATOR: ","})
     """Suites, comma-separated: NAME for prompts written for the demo in that suite's format

@@ -25,7 +25,6 @@ online, on every seed, at the same budget). `--drafter dflash` trains the plain 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -37,22 +36,17 @@ from typing import Literal
 import click
 
 from bench.engine_venv import ensure_engine_venv
-from dflash.shards.commands import DflashCommand
-from dflash.shards.options import ONLY_ON, PATH, check_choices, config_options, given
-from dflash.shards.records import iter_records
+from demo import default_work_dir
+from dflash.common.commands import DflashCommand
+from dflash.common.options import ONLY_ON, PATH, check_choices, config_options, given
+from dflash.common.records import iter_records
 from dflash.shards.spec import BASIS_CODECS, FeatureCodec
 from dflash.testing.prepare import chitchat_records, prepare_smollm2
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _default_work_dir() -> Path:
-    return Path(os.environ.get("DFLASH_DEMO_DIR", REPO / ".demo"))
 
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    work_dir: Path = field(default_factory=_default_work_dir, metadata={PATH: "dir"})
+    work_dir: Path = field(default_factory=default_work_dir, metadata={PATH: "dir"})
     """Where the target, prompts, cache and run live; DFLASH_DEMO_DIR sets the default (else .demo in
     the repository)."""
     num_conversations: int = 384

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.common.files import write_atomic
 from dflash.precompute.pipeline import Computed, Item, Key, RankRun, compute_sample
 from dflash.shards.basis import FeatureBasis, fit_basis, write_basis
-from dflash.shards.files import write_atomic
 from dflash.shards.layout import BASIS_FILE
 
 

@@ -1,7 +1,7 @@
 """`dflash-precompute`: the command line of stage one. Thin: options -> PrecomputeConfig ->
 run_precompute -> the summary on stdout (progress and log lines go to stderr).
 
-The options are generated from PrecomputeConfig's fields (`dflash.shards.options`): each
+The options are generated from PrecomputeConfig's fields (`dflash.common.options`): each
 default and help text lives once, in the field's docstring."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 
 import click
 
+from dflash.common.commands import DflashCommand, version_option
+from dflash.common.options import config_options, given
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.run import run_precompute
-from dflash.shards.commands import DflashCommand, version_option
-from dflash.shards.options import config_options, given
 
 # Options that only --regenerate uses: given without it, they have no effect.
 _REGENERATE_ONLY = ("max_new_tokens", "temperature", "seed")

@@ -1,5 +1,5 @@
 """Stage one's configuration: `PrecomputeConfig`, everything `dflash-precompute` does as one
-validated value. Its fields' docstrings are the command's `--help` (dflash.shards.options).
+validated value. Its fields' docstrings are the command's `--help` (dflash.common.options).
 
 It sits below run.py, pipeline.py and basis.py, which all take it, so that none of them imports
 another for its type."""
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash.common.options import METAVAR, NONE_WORD, PATH, RESUMABLE, SEPARATOR, apply_none_words, check_choices
 from dflash.shards.layout import BASIS_FILE
-from dflash.shards.options import METAVAR, NONE_WORD, PATH, RESUMABLE, SEPARATOR, apply_none_words, check_choices
 from dflash.shards.spec import BASIS_CODECS, FeatureCodec, TopkCodec
 
 

@@ -1,10 +1,10 @@
 """Stage one's input side: read chat data, normalise records, render them with the target's
 chat template and mark the assistant tokens.
 
-Records come from `dflash.shards.records.iter_records`, the one reader of both stages
+Records come from `dflash.common.records.iter_records`, the one reader of both stages
 (JSONL, `.jsonl.zst`, JSON, Parquet, `datasets` folders).
 
-Records are normalised by `dflash.shards.records.normalize_record` (the input contract
+Records are normalised by `dflash.common.records.normalize_record` (the input contract
 both stages share: `messages`, `conversations`, `prompt`+`response`, `text`); a `text`
 record is tokenized with the tokenizer's special tokens and trained on every token (no chat
 template, no assistant turn needed).
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.shards.records import RecordError
+from dflash.common.records import RecordError
 
 # ----------------------------------------------------------------------------- encoding
 

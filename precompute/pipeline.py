@@ -3,7 +3,7 @@
 Both passes of a rank go through here: the basis fit (`compute_sample`, basis codecs only)
 and the main pass (`compute`). A record is
 
-1. prepared (`prepare`): normalised (`dflash.shards.records`) and tokenized with the chat
+1. prepared (`prepare`): normalised (`dflash.common.records`) and tokenized with the chat
    template and loss mask (`ChatEncoder`). A conversation needs an assistant reply to learn
    from unless the run regenerates: with `--regenerate` a prompt-only record (no assistant
    turn) gets one reply after its last user turn, as `dflash-regenerate` gives it, and is
@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dflash.common.records import InputRecord, RecordError, cut_assistant_turns, iter_records, normalize_record
 from dflash.precompute.data import ChatEncoder, Encoded
 from dflash.precompute.device_codecs import DEVICE_CODECS
 from dflash.precompute.group import Group
 from dflash.precompute.plan import plan_batches
 from dflash.shards import CacheWriter
-from dflash.shards.records import InputRecord, RecordError, cut_assistant_turns, iter_records, normalize_record
 
 if TYPE_CHECKING:
     from dflash.precompute.config import PrecomputeConfig

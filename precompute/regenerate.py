@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.files import atomic_path, fsync_file
-from dflash.shards.options import FLAG, PATH
-from dflash.shards.records import InputRecord, RecordError, iter_records, normalize_record
+from dflash.common.files import atomic_path, fsync_file
+from dflash.common.options import FLAG, PATH
+from dflash.common.records import InputRecord, RecordError, iter_records, normalize_record
 
 
 class ServerGone(RuntimeError):

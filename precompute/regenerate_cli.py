@@ -1,7 +1,7 @@
 """`dflash-regenerate`: the command line of server-side regeneration. Thin: options ->
 RegenerateConfig -> run_regenerate -> the summary on stdout (progress goes to stderr).
 
-The options are generated from RegenerateConfig's fields (`dflash.shards.options`): each
+The options are generated from RegenerateConfig's fields (`dflash.common.options`): each
 default and help text lives once, in the field's docstring."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 
 import click
 
+from dflash.common.commands import DflashCommand, version_option
+from dflash.common.options import config_options, given
 from dflash.precompute.regenerate import RegenerateConfig, ServerGone, run_regenerate
-from dflash.shards.commands import DflashCommand, version_option
-from dflash.shards.options import config_options, given
 
 
 @click.command(cls=DflashCommand)

@@ -56,6 +56,9 @@ from typing import Any
 
 import numpy as np
 
+from dflash.common.files import write_atomic
+from dflash.common.options import resumable
+from dflash.common.records import RecordError, input_sha256, iter_records
 from dflash.precompute.basis import fit_or_load_basis
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.data import ChatEncoder
@@ -63,10 +66,7 @@ from dflash.precompute.group import Group
 from dflash.precompute.pipeline import RankRun, RankStats, close_writer, compute, prepare, read_items, reject
 from dflash.precompute.plan import assign_ranks
 from dflash.shards import CacheSpec, CacheWriter, finalize_cache, open_cache
-from dflash.shards.files import write_atomic
 from dflash.shards.layout import MANIFEST, REJECTED, SHARDS_DIR, TARGET_DIR
-from dflash.shards.options import resumable
-from dflash.shards.records import RecordError, input_sha256, iter_records
 from dflash.shards.spec import BASIS_CODECS
 
 

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.common.files import atomic_dir
+from dflash.common.fingerprint import target_fingerprint
 from dflash.precompute.device_codecs import DEVICE_CODECS, encode_features
 from dflash.shards import TargetInfo, default_layer_ids
-from dflash.shards.files import atomic_dir
-from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.layout import HEAD_FILE
 
 # fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
@@ -376,7 +376,7 @@ class Target:
 
     @functools.cached_property
     def fingerprint(self) -> str | None:
-        """The fingerprint of the weights this target loaded (dflash.shards.fingerprint)."""
+        """The fingerprint of the weights this target loaded (dflash.common.fingerprint)."""
         return target_fingerprint(self.path)
 
     def tokenizer_sha256(self) -> str:

@@ -184,7 +184,7 @@ def fit_basis(matrix: np.ndarray, num_tokens: int, rank: int, *, scale: np.ndarr
 
 def write_basis(cache_dir: str | Path, basis: FeatureBasis) -> Path:
     """Write CACHE/feature_basis.safetensors atomically; returns its path."""
-    from dflash.shards.files import write_atomic
+    from dflash.common.files import write_atomic
 
     path = Path(cache_dir) / BASIS_FILE
     Path(cache_dir).mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Each command is a thin wrapper over a function of dflash.shards.report (or
 dflash.shards.verify_cache); `--json` prints that function's result as one JSON object. Each
 command's arguments and options are generated from its config dataclass below
-(`dflash.shards.options`), as every dflash command's are.
+(`dflash.common.options`), as every dflash command's are.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import click
 
+from dflash.common.commands import DflashGroup, version_option
+from dflash.common.options import ARGUMENT, EXISTS, METAVAR, PATH, config_options, given
 from dflash.shards import report
-from dflash.shards.commands import DflashGroup, version_option
 from dflash.shards.layout import REJECTED
-from dflash.shards.options import ARGUMENT, EXISTS, METAVAR, PATH, config_options, given
 from dflash.shards.reader import verify_cache
 
 

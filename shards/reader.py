@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dflash.common.files import SHARD_CHECKSUM_FIELDS, file_digest
 from dflash.shards import codecs, rows
 from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import SHARD_CHECKSUM_FIELDS, file_digest
 from dflash.shards.layout import MANIFEST
 from dflash.shards.spec import CacheSpec, check_format_version
 

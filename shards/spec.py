@@ -71,7 +71,7 @@ class CacheSpec:
     """Sampling temperature of the regeneration (0 is greedy); None when not regenerated."""
     target: dict[str, Any] = field(default_factory=dict)
     """Target identity: name, architecture, model_type, num_layers, config_sha256, fingerprint
-    (of the weights, shards.fingerprint; None without safetensors files), dtype."""
+    (of the weights, common.fingerprint; None without safetensors files), dtype."""
     tokenizer_sha256: str = ""
     """Hash of the tokenizer files (chat template included)."""
     inputs: list[dict[str, Any]] = field(default_factory=list)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.files import write_json_atomic
+from dflash.common.files import write_json_atomic
 from dflash.shards.layout import TARGET_INFO_FILE
 
 # Version 1: the fields below. A file without `version` predates the field and is version 1.
@@ -55,7 +55,7 @@ class TargetInfo:
     """The dtype the target ran in and head.safetensors is stored in (e.g. "bfloat16");
     None in files written before it was recorded."""
     fingerprint: str | None = None
-    """The target's weights fingerprint (dflash.shards.fingerprint); None in files written
+    """The target's weights fingerprint (dflash.common.fingerprint); None in files written
     before it was recorded, or for a target without safetensors files."""
 
     def __post_init__(self) -> None:

@@ -37,9 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash.shards import rows
-from dflash.shards.basis import FeatureBasis
-from dflash.shards.files import (
+from dflash.common.files import (
     SHARD_CHECKSUM_FIELDS,
     file_sha256,
     fsync_dir,
@@ -47,6 +45,8 @@ from dflash.shards.files import (
     write_atomic,
     write_json_atomic,
 )
+from dflash.shards import rows
+from dflash.shards.basis import FeatureBasis
 from dflash.shards.layout import (
     BASIS_FILE,
     MANIFEST,

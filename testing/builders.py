@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.testing.families import FAMILIES, TargetFamily, family_config, family_model
+
 CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' %}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
@@ -162,7 +164,7 @@ def read_jsonl(path: Path) -> list:
     """The records of a JSONL file, read by `iter_records`, the one reader (lines split on
     b"\\n" only: a string holding U+2028, which `str.splitlines` splits on, stays one record);
     AssertionError naming the line when one is not JSON."""
-    from dflash.shards.records import iter_records
+    from dflash.common.records import iter_records
 
     records = list(iter_records([path]))
     for record in records:
@@ -360,7 +362,6 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
         config = Qwen3Config(tie_word_embeddings=False, **common)
         tokenizer.chat_template = THINKING_TEMPLATE
     else:
-        from dflash.testing.families import FAMILIES, family_config
 
         if arch not in FAMILIES:
             raise ValueError(f"unknown target architecture {arch!r}: one of {', '.join(FAMILIES)}")
@@ -426,7 +427,7 @@ def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
 
 def truth(hidden, weight, ids, logprobs, weights=None, *, tail="bucket", reduction="mean",
           ce_targets=None, ce_weight=0.0):
-    """float64 loss straight from the formula in kernel/sparse_kl.py's docstring (inputs are
+    """float64 loss straight from the formula in kernels/sparse_kl.py's docstring (inputs are
     upcast exactly)."""
     logp = (hidden.double() @ weight.double().T).log_softmax(1)  # [N, V] f64
     lp = logp.gather(1, ids)  # [N, k]
@@ -499,3 +500,14 @@ def killed_precompute(config, rows: int):
     options["data"] = [str(p) for p in options["data"]]
     return subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(options), str(rows)], env=SUBPROCESS_ENV,
                           capture_output=True, text=True, timeout=300)
+
+
+def build_family_target(family: TargetFamily, path: Path) -> Path:
+    """Save a tiny random target of `family` with `build_tokenizer("chatml")` into `path`; returns `path`."""
+    tokenizer = build_tokenizer("chatml")
+    model = family_model(family, vocab_size=VOCAB_SIZE, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

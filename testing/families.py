@@ -15,7 +15,6 @@ export's warning reads it), and `engine_status` reads it for a family.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,16 +104,3 @@ def family_model(family: TargetFamily, **overrides: Any):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(family_config(family, **overrides), dtype=torch.float32).eval()
-
-
-def build_family_target(family: TargetFamily, path: Path) -> Path:
-    """Save a tiny random target of `family` with `build_tokenizer("chatml")` into `path`; returns `path`."""
-    from dflash.testing.builders import VOCAB_SIZE, build_tokenizer
-
-    tokenizer = build_tokenizer("chatml")
-    model = family_model(family, vocab_size=VOCAB_SIZE, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

@@ -21,7 +21,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from dflash.shards.files import atomic_dir, write_atomic
+from dflash.common.files import atomic_dir, write_atomic
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

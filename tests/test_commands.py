@@ -1,4 +1,4 @@
-"""Every command builds its flags from its config dataclass (dflash.shards.options): each
+"""Every command builds its flags from its config dataclass (dflash.common.options): each
 flag's help is its field's docstring with its default, each `Literal` field is a choice that a
 bad value meets once, with the list of choices, and the fields a resumed run may change are
 the ones declared so."""
@@ -22,11 +22,11 @@ except ModuleNotFoundError:  # Python 3.10
 
 import demo.out_of_domain
 import demo.run
+from dflash.common.options import FLAG, NONE_WORD, SEPARATOR, field_docs, resumable
 from dflash.precompute import cli as precompute_cli, regenerate_cli
 from dflash.precompute.config import PrecomputeConfig
 from dflash.precompute.regenerate import RegenerateConfig
 from dflash.shards import cli as shards_cli
-from dflash.shards.options import FLAG, NONE_WORD, SEPARATOR, field_docs, resumable
 from dflash.train import cli as train_cli
 from dflash.train.config import RESUMABLE_CHANGES, FitConfig
 from dflash.train.evaluate import EvalConfig

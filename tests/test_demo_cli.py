@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 import demo.run
-from demo.run import REPO, DemoConfig
+from demo import REPO
+from demo.run import DemoConfig
 
 
 def _config(monkeypatch, args: list[str]) -> DemoConfig:

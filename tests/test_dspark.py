@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from dflash.kernels import sparse_kl_loss
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.testing.builders import drafter_config
 from dflash.train.dspark import DSparkDrafter, confidence_loss, loss_operands, make_drafter, sequential_drafts
 from dflash.train.export import hf_config, vllm_tensors, write_export
@@ -160,7 +160,7 @@ def test_markov_bias_in_the_fused_loss_equals_dense_logits(impl, weight_grad_fro
     row = (q * (logprobs - lp_s)).sum(1) + tail_q * (tail_q.log() - tail_p.log())
     ref = (weights * row).sum()
     ref.backward()
-    # The kernel's rows and lse are float32 whatever the inputs (kernel/reference.py): 1e-5 is
+    # The kernel's rows and lse are float32 whatever the inputs (kernels/reference.py): 1e-5 is
     # float32's reach over these few terms, and a wrong or missing bias term is O(1) off.
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     want = [rows.grad, model.markov_head.markov_w1.weight.grad, model.markov_head.markov_w2.weight.grad]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.shards.records import iter_records, prompt_messages
+from dflash.common.records import iter_records, prompt_messages
 from dflash.testing.builders import drafter_config
 from dflash.train.acceptance import (
     block_acceptance,

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from dflash.shards.files import publish_readable
+from dflash.common.files import publish_readable
 from dflash.testing.builders import drafter_config
 from dflash.train.checkpoint import CheckpointWriter
 from dflash.train.export import export_command, model_card, write_export

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.testing.builders import RECORDS, precompute_config, tiny_fit_config, write_jsonl
-from dflash.testing.families import FAMILIES, WINDOW, build_family_target
+from dflash.testing.builders import RECORDS, build_family_target, precompute_config, tiny_fit_config, write_jsonl
+from dflash.testing.families import FAMILIES, WINDOW
 from dflash.train.serving import VLLM_CPU_CANNOT, VLLM_REFUSES, VLLM_VERSION
 
 pytestmark = pytest.mark.e2e

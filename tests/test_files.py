@@ -1,4 +1,4 @@
-"""dflash.shards.files: a failed write leaves the old file or folder and no temporary."""
+"""dflash.common.files: a failed write leaves the old file or folder and no temporary."""
 
 import errno
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.shards import files
-from dflash.shards.files import atomic_dir, atomic_path, write_atomic, write_json_atomic, write_npz_atomic
+from dflash.common import files
+from dflash.common.files import atomic_dir, atomic_path, write_atomic, write_json_atomic, write_npz_atomic
 
 
 def _write_with_atomic_path(path, text):

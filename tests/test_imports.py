@@ -1,12 +1,14 @@
 """The import graph, read from the source (no module is imported): every `import` and
-`from ... import` statement under shards/, kernel/, precompute/, train/, bench/ and demo/,
-at module level, inside functions and under `if TYPE_CHECKING:` alike, since a lazy import
-that hides a loop is still a loop.
+`from ... import` statement under every folder the package installs (common/, shards/,
+kernels/, precompute/, train/, testing/: pyproject.toml's package-dir table) and under bench/
+and demo/, at module level, inside functions and under `if TYPE_CHECKING:` alike, since a lazy
+import that hides a loop is still a loop.
 
-Checked: no cycle among the modules of each package; the layer rule (shards knows no torch
-and no other dflash package; kernels knows no other dflash package; precompute and train never
-import each other); nothing outside tests/ imports `tests`; bench and demo import each other in
-at most one direction.
+Checked: no cycle among the modules of each of those folders; the layer rule, which reads
+common <- shards <- {precompute, train}, with testing above both stages (common knows no torch
+and no other dflash package; shards no torch and only common; kernels no other dflash package;
+precompute and train never import each other, nor testing); nothing outside tests/ imports
+`tests`; bench and demo import each other in at most one direction.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # folder in the repository -> the import name of its modules' package
 FOLDERS = {
+    "common": "dflash.common",
     "shards": "dflash.shards",
-    "kernel": "dflash.kernels",
+    "kernels": "dflash.kernels",
     "precompute": "dflash.precompute",
     "train": "dflash.train",
+    "testing": "dflash.testing",
     "bench": "bench",
     "demo": "demo",
 }
-PACKAGES = ["dflash.shards", "dflash.kernels", "dflash.precompute", "dflash.train"]
+PACKAGES = list(FOLDERS.values())
 
 
 def _module_name(folder: str, path: Path) -> str:
@@ -151,7 +155,7 @@ def test_scan_sees_every_kind_of_import():
     assert "torch.distributed" in IMPORTS["dflash.precompute.run"]
     assert "dflash.precompute.target" in IMPORTS["dflash.precompute.pipeline"]
     assert "dflash.shards.reader" in IMPORTS["dflash.shards"]
-    assert "dflash.kernels.loss" in IMPORTS["dflash.kernels"]  # a relative import (kernel/__init__.py)
+    assert "dflash.kernels.reference" in IMPORTS["dflash.kernels.loss"]  # a relative import
     assert len(MODULES) > 50
 
 
@@ -175,18 +179,32 @@ def test_no_import_loop_inside_package(package):
     assert not loops, "import loops:\n" + "\n".join(loops)
 
 
+def test_every_installed_folder_is_scanned():
+    """The scan covers each folder pyproject.toml installs as a dflash package, so a new one
+    cannot escape the loop and layer checks."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert {folder: name for name, folder in table.items()} == {
+        f: n for f, n in FOLDERS.items() if n.startswith("dflash.")}
+
+
+ABOVE_SHARDS = ["dflash.kernels", "dflash.precompute", "dflash.train", "dflash.testing"]
 LAYER_RULES = [
-    ("dflash.shards", ["torch", "triton", "dflash.kernels", "dflash.precompute", "dflash.train"]),
-    ("dflash.kernels", ["dflash.shards", "dflash.precompute", "dflash.train"]),
-    ("dflash.precompute", ["dflash.train"]),
-    ("dflash.train", ["dflash.precompute"]),
+    ("dflash.common", ["torch", "triton", "dflash.shards", *ABOVE_SHARDS]),
+    ("dflash.shards", ["torch", "triton", *ABOVE_SHARDS]),
+    ("dflash.kernels", ["dflash.common", "dflash.shards", "dflash.precompute", "dflash.train", "dflash.testing"]),
+    ("dflash.precompute", ["dflash.train", "dflash.testing"]),
+    ("dflash.train", ["dflash.precompute", "dflash.testing"]),
 ]
 
 
 @pytest.mark.parametrize(("package", "forbidden"), LAYER_RULES, ids=[r[0] for r in LAYER_RULES])
 def test_layer_rule(package, forbidden):
     """What a package may not import (everything outside the repository's own packages is free,
-    and none of the four imports bench, demo or tests)."""
+    and none of them imports bench, demo or tests)."""
     forbidden = [*forbidden, "bench", "demo", "tests"]
     wrong = sorted(
         f"{m} imports {n}"

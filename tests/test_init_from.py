@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.common.files import file_sha256
 from dflash.shards import open_cache
 from dflash.shards.basis import SecondMoment, fit_basis
-from dflash.shards.files import file_sha256
 from dflash.testing.builders import FIT_LENGTHS, tiny_fit_config
 from dflash.train.basis import fold_basis
 from dflash.train.checkpoint import list_checkpoints

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels import sparse_kl_loss
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.kernels.reference import _ChunkedLseGather
 from dflash.kernels.sparse_kl import TritonConfig
 from dflash.testing.builders import (
@@ -316,7 +316,7 @@ def test_imports_and_runs_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from dflash.kernels import sparse_kl_loss\n"
+        "from dflash.kernels.loss import sparse_kl_loss\n"
         "x, w = torch.randn(4, 8), torch.randn(16, 8)\n"
         "ids, lq = torch.tensor([[1, 2]] * 4), torch.full((4, 2), -1.0)\n"
         "sparse_kl_loss(x, w, ids, lq)\n"

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash.kernels import sparse_kl_loss
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.kernels.sparse_kl import INTERPRETED, TritonConfig, _to_storage
 from dflash.testing.builders import (
     FP32_TOL,
@@ -225,7 +225,7 @@ def test_config_validation(field, value):
 def test_cpu_tensors_without_interpreter_raise():
     code = (
         "import torch\n"
-        "from dflash.kernels import sparse_kl_loss\n"
+        "from dflash.kernels.loss import sparse_kl_loss\n"
         "x, w = torch.randn(4, 16), torch.randn(32, 16)\n"
         "ids, lq = torch.tensor([[1, 2]] * 4), torch.full((4, 2), -1.0)\n"
         "try:\n"

@@ -15,13 +15,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash.common.records import normalize_record
 from dflash.precompute.cli import main
 from dflash.precompute.data import ChatEncoder
 from dflash.precompute.run import _build_spec, run_precompute
 from dflash.precompute.target import Target
 from dflash.shards import open_cache, verify_cache
 from dflash.shards.codecs import topk_kl
-from dflash.shards.records import normalize_record
 from dflash.testing.builders import CONVERSATIONS, RECORDS, build_target, precompute_config, write_jsonl
 
 pytestmark = pytest.mark.e2e

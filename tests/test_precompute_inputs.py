@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from dflash.common.records import RecordError, input_sha256, iter_records, normalize_record
 from dflash.precompute.data import ChatEncoder
 from dflash.precompute.plan import assign_ranks, plan_batches
-from dflash.shards.records import RecordError, input_sha256, iter_records, normalize_record
 from dflash.testing.builders import CONVERSATIONS, build_tokenizer, write_jsonl
 
 EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}

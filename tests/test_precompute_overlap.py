@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import dflash.precompute.target as target_module
+from dflash.common.files import file_digest, file_sha256
 from dflash.precompute.run import run_precompute
 from dflash.shards import open_cache, verify_cache
-from dflash.shards.files import file_digest, file_sha256
 from dflash.shards.reader import shard_checksum
 from dflash.testing.builders import RECORDS, build_target, killed_precompute, precompute_config, write_jsonl
 

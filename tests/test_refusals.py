@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.shards.fingerprint import target_fingerprint
+from dflash.common.fingerprint import target_fingerprint
 from dflash.shards.target_info import TargetInfo
 from dflash.testing.builders import tiny_causal_lm, tiny_fit_config
 from dflash.train.cli import main as train_main

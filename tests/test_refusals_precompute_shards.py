@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dflash.common.commands import dflash_version
+from dflash.common.fingerprint import target_fingerprint
 from dflash.precompute.cli import main as precompute_main
 from dflash.precompute.run import run_precompute
 from dflash.shards import CacheSpec, open_cache
 from dflash.shards.cli import main as shards_main
-from dflash.shards.commands import dflash_version
-from dflash.shards.fingerprint import target_fingerprint
 from dflash.shards.synthetic import write_synthetic_cache
 from dflash.shards.target_info import TargetInfo
 from dflash.testing.builders import RECORDS, build_target, precompute_config, write_jsonl

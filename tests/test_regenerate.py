@@ -128,8 +128,8 @@ def test_cut_reply_is_kept_and_masked(target, server, tmp_path):
     the end-of-turn token after it out of the loss mask."""
     from transformers import AutoTokenizer
 
+    from dflash.common.records import cut_assistant_turns, normalize_record
     from dflash.precompute.data import ChatEncoder
-    from dflash.shards.records import cut_assistant_turns, normalize_record
 
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     out = tmp_path / "out.jsonl"

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.shards.files import atomic_dir, fsync_file
+from dflash.common.files import atomic_dir, fsync_file
 from dflash.train.run_folder import CHECKPOINTS_DIR, OPTIMIZER_FILE, STATE_FILE, WEIGHTS_FILE
 
 # The per-file fsync, by a name of this module: the fault harness (`python -m tests.faults`,

@@ -3,7 +3,7 @@ their code (train/evaluate.py, train/export.py) and added to the group at the en
 
 Commands stay thin: build the config, call one plain function (which tests call directly).
 `fit`'s options are generated from FitConfig's fields (train/config.py), `eval`'s from its
-EvalConfig (train/evaluate.py), by dflash.shards.options: one flag per field, its help the
+EvalConfig (train/evaluate.py), by dflash.common.options: one flag per field, its help the
 field's docstring and default; only the flags given override the config file or defaults.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import click
 
-from dflash.shards.commands import DflashGroup, version_option
-from dflash.shards.options import apply, flags, given
+from dflash.common.commands import DflashGroup, version_option
+from dflash.common.options import apply, flags, given
 from dflash.train.config import FitConfig, resolve
 
 

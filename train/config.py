@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.shards.options import (
+from dflash.common.options import (
     METAVAR,
     NONE_WORD,
     PATH,

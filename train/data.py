@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.common.files import write_npz_atomic
 from dflash.shards import codecs
-from dflash.shards.files import write_npz_atomic
 from dflash.train.run_folder import ANCHOR_INDEX_FILE
 
 # Stream key for held-out evaluation anchors; training epochs use their own index.

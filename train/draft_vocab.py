@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.shards.files import write_npz_atomic
+from dflash.common.files import write_npz_atomic
 from dflash.train.model import DFlashDrafter, TargetHead
 from dflash.train.run_folder import DRAFT_VOCAB_FILE
 

@@ -40,10 +40,10 @@ import click
 import numpy as np
 import torch
 
-from dflash.shards.commands import DflashCommand
-from dflash.shards.files import write_json_atomic
-from dflash.shards.fingerprint import target_fingerprint
-from dflash.shards.options import METAVAR, ONLY_ON, PATH, check_choices, config_options, given
+from dflash.common.commands import DflashCommand
+from dflash.common.files import write_json_atomic
+from dflash.common.fingerprint import target_fingerprint
+from dflash.common.options import METAVAR, ONLY_ON, PATH, check_choices, config_options, given
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features

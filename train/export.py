@@ -48,11 +48,11 @@ from typing import Any, Literal, get_args
 import click
 import torch
 
+from dflash.common.commands import DflashCommand
+from dflash.common.files import atomic_dir
+from dflash.common.options import PATH, check_choices, config_options, given
 from dflash.shards import TargetInfo, open_cache
-from dflash.shards.commands import DflashCommand
-from dflash.shards.files import atomic_dir
 from dflash.shards.layout import TARGET_DIR, TARGET_INFO_FILE
-from dflash.shards.options import PATH, check_choices, config_options, given
 from dflash.train.loading import (
     ARCHITECTURE,
     DSPARK_ARCHITECTURE,

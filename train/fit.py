@@ -47,9 +47,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.kernels import sparse_kl_loss
+from dflash.common.files import write_json_atomic
+from dflash.kernels.loss import sparse_kl_loss
 from dflash.shards import open_cache
-from dflash.shards.files import write_json_atomic
 from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
 from dflash.train import draft_vocab, dspark, parallel
 from dflash.train.checkpoint import CheckpointWriter, Snapshot, latest_checkpoint, load_checkpoint

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dflash.shards.options import RESUMABLE
+from dflash.common.options import RESUMABLE
 
 
 @dataclass(kw_only=True)

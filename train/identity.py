@@ -1,7 +1,7 @@
 """Which target a run belongs to: its caches' fingerprint, recorded in RUN/run.json.
 
 Stage one writes the target's weights fingerprint into CACHE/target/target.json
-(dflash.shards.fingerprint). `fit` refuses caches of different targets and records the
+(dflash.common.fingerprint). `fit` refuses caches of different targets and records the
 fingerprint in RUN/run.json; `eval` refuses a cache, or an online `--target`, of another
 target unless told `--allow-target-mismatch` (then the report carries a warning). A cache
 from before the fingerprint existed cannot be checked: a warning says so, nothing refuses.
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.files import write_json_atomic
-from dflash.shards.fingerprint import short
+from dflash.common.files import write_json_atomic
+from dflash.common.fingerprint import short
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.run_folder import RUN_INFO_FILE
 

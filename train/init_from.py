@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from dflash.shards.files import file_sha256, write_json_atomic
+from dflash.common.files import file_sha256, write_json_atomic
 from dflash.shards.target_info import TargetInfo
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.identity import RUN_INFO_FILE, read_run_info

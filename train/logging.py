@@ -25,7 +25,7 @@ import math
 import os
 from pathlib import Path
 
-from dflash.shards.files import write_atomic
+from dflash.common.files import write_atomic
 from dflash.train.run_folder import EVENTS_FILE, METRICS_FILE, SPIKES_FILE, WANDB_ID_FILE
 
 STEP_KEYS = ("step", "epoch", "epoch_index", "epoch_fraction", "loss", "accuracy", "grad_norm",

@@ -2,7 +2,7 @@
 `dflash-train eval --online` (the decoding itself is `dflash.train.speculative`): greedy by
 default, sampled at `temperature` > 0.
 
-Prompts are records in the styles stage one reads (`dflash.shards.records`: the same reader,
+Prompts are records in the styles stage one reads (`dflash.common.records`: the same reader,
 so a record's index is the one a cache names as its sequence's source); each record's
 conversation up to its last user turn, rendered with the target's chat template and its
 generation prompt, is the prompt. Reported: tau (committed tokens per target verify),
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.shards.records import iter_records, prompt_messages
+from dflash.common.records import iter_records, prompt_messages
 from dflash.train.speculative import DecodeResult, MatchSampler, Proposer, greedy_generate, speculative_generate
 
 

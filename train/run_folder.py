@@ -33,7 +33,7 @@ RUN/
 ```
 
 The .json and .npz files and each checkpoint folder are written atomically (temporary name,
-fsync, rename: dflash.shards.files); the .jsonl logs are appended and flushed per line, so a
+fsync, rename: dflash.common.files); the .jsonl logs are appended and flushed per line, so a
 crash loses at most the line being written (metrics.jsonl is rewritten atomically at a start,
 without the step lines past the step the run starts from).
 

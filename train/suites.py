@@ -138,7 +138,7 @@ def _hub_rows(suite: Suite):
 
 
 def _local_rows(suite: Suite, path: Path):
-    from dflash.shards.records import iter_records
+    from dflash.common.records import iter_records
 
     if path.is_dir():
         import datasets

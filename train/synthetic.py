@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.common.files import atomic_dir
 from dflash.shards import TargetInfo
-from dflash.shards.files import atomic_dir
 from dflash.shards.layout import HEAD_FILE, TARGET_DIR
 
 

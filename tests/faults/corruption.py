@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.shards.files import SHARD_CHECKSUM_FIELDS
+from dflash.common.files import SHARD_CHECKSUM_FIELDS
 from dflash.shards.reader import shard_checksum
 from tests.faults.workspace import Outcome, Workspace, describe, fit_in_process
 

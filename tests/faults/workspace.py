@@ -175,7 +175,7 @@ def wait_for(condition: Callable[[], bool], child: Child, timeout_s: float = 300
 
 def is_temporary(rel: Path) -> bool:
     """Writers' temporaries: `*.tmp`, `.step-*.tmp/`, `*.tmp.npz`, `.target.tmp/`, `.target.stale/`
-    (shards.files.atomic_dir)."""
+    (common.files.atomic_dir)."""
     return any(".tmp" in part or part.endswith((".partial", ".stale")) for part in rel.parts)
 
 

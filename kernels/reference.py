@@ -94,7 +94,7 @@ LOGPROB_FLOOR = -1.0e4
 # 256 MiB on CUDA: at V = 151936 that is 441 rows a chunk (38 chunks at N = 16384), GEMMs of
 # M ~ 430 whose logits GEMM still fills an H200 with ~13 waves of tiles, so that the loss's
 # extra memory (this, plus dX in X's dtype) stays under 512 MiB. It was 2 GiB (5 chunks;
-# 2,034 MiB of extra memory measured on an H200). kernel/sparse_kl.py, "Workspace".
+# 2,034 MiB of extra memory measured on an H200). kernels/sparse_kl.py, "Workspace".
 _DEFAULT_WORKSPACE_BYTES_CPU = 128 * 2**20
 _DEFAULT_WORKSPACE_BYTES_CUDA = 256 * 2**20
 

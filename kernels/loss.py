@@ -207,7 +207,7 @@ def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce
 
 def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, naive, vocab_pass,
                 workspace_bytes, weight_grad_from):
-    """The naive or chunked torch impl's [N] row losses and [N] argmax (kernel/reference.py)."""
+    """The naive or chunked torch impl's [N] row losses and [N] argmax (kernels/reference.py)."""
     if naive:
         lse, z_sel, argmax = naive_lse_gather(hidden, weight, ids)
     else:
@@ -219,7 +219,7 @@ def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weigh
 
 
 def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
-    """The triton impl's [N] row losses and [N] argmax (kernel/sparse_kl.py)."""
+    """The triton impl's [N] row losses and [N] argmax (kernels/sparse_kl.py)."""
     lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
     return _sparse_kl_module().triton_sparse_kl_rows(
         hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
@@ -237,7 +237,7 @@ def _stores_dx(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, ce_weight,
                     workspace_bytes, config):
-    """The triton impl's reduced loss and [N] argmax (kernel/sparse_kl.py, frozen head)."""
+    """The triton impl's reduced loss and [N] argmax (kernels/sparse_kl.py, frozen head)."""
     lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
     return _sparse_kl_module().triton_sparse_kl_loss(
         hidden, weight, ids, lq, teacher_tail(lq, tail_mass), row_weight, denominator, tail=tail,
@@ -246,7 +246,7 @@ def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, d
 
 
 def _sparse_kl_module():
-    """kernel/sparse_kl.py, imported at call time; RuntimeError with the fix without triton."""
+    """kernels/sparse_kl.py, imported at call time; RuntimeError with the fix without triton."""
     try:
         from . import sparse_kl
     except ImportError as err:

@@ -7,7 +7,7 @@ exit status 1. Anything else is a bug and keeps its traceback. `--debug` (on the
 on the group before the subcommand) or DFLASH_DEBUG=1 shows the traceback of a user error too.
 Ctrl-C ends with "Aborted!" (click's), after whatever the command printed on its way out.
 
-Lives in dflash.shards because every package's command line imports it (precompute and train
+Lives in dflash.common because every package's command line imports it (precompute and train
 never import each other); it needs only click.
 """
 
