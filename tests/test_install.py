@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-COLLIDING = {"kernels", "kernel", "train", "shards", "precompute"}
+COLLIDING = {"kernels", "kernel", "train", "shards", "precompute", "common", "testing"}
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,14 @@ def scratch_venv(tmp_path_factory) -> Path:
 def test_regular_install_imports_from_outside_repo(scratch_venv, tmp_path):
     python = scratch_venv / "bin" / "python"
     code = (
-        "import dflash.shards, dflash.kernels, dflash.precompute, dflash.train\n"
-        "for m in (dflash.shards, dflash.kernels, dflash.precompute, dflash.train):\n"
+        "import dflash.common, dflash.shards, dflash.kernels.loss, dflash.precompute, dflash.train\n"
+        "for m in (dflash.common, dflash.shards, dflash.kernels.loss, dflash.precompute, dflash.train):\n"
         "    print(m.__file__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True,
                          cwd=tmp_path, env=env).stdout.split()
-    assert len(out) == 4
+    assert len(out) == 5
     for path in out:
         assert str(scratch_venv) in path, f"{path} was not imported from the scratch install"
 
@@ -78,3 +78,22 @@ def test_repository_root_does_not_shadow_pypi_kernels():
                            cwd=REPO).stdout.strip()
     assert where == "absent" or Path(where).parent.parent != REPO, (
         f"`import kernels` from the repository root finds the repository's own folder {where}")
+
+
+def test_installed_regular_kernels_wins_over_the_repository_folder(tmp_path):
+    """The repository's kernels/ has no __init__.py, so with the root first on sys.path it is
+    only a namespace portion, and a regular package `kernels` later on the path (an installed
+    PyPI `kernels`; here a stand-in right after the root, so the check holds where PyPI's is
+    absent) is what `import kernels` gives; dflash.kernels still imports."""
+    stand_in = tmp_path / "site" / "kernels"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text("WHO = 'installed'\n")
+    code = ("import sys\n"
+            f"sys.path[:0] = [{str(REPO)!r}, {str(tmp_path / 'site')!r}]\n"
+            "import kernels\n"
+            "from dflash.kernels.loss import sparse_kl_loss\n"
+            "print(kernels.WHO, callable(sparse_kl_loss))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""}).stdout.strip()
+    assert out == "installed True"
+
