@@ -73,18 +73,17 @@ fi
 
 # dflash.* is a namespace of top-level folders mapped by pyproject.toml; without an install, a
 # directory holding dflash/<name> -> this checkout's folders gives the same import names.
-if ! "$PY" -c "import dflash.kernels, dflash.train, dflash.testing" >/dev/null 2>&1; then
+if ! "$PY" -c "import dflash.common, dflash.kernels.loss, dflash.train, dflash.testing" >/dev/null 2>&1; then
   SHIM="$(mktemp -d)"
   mkdir -p "$SHIM/dflash"
-  for part in shards train precompute testing; do ln -s "$REPO/$part" "$SHIM/dflash/$part"; done
-  ln -s "$REPO/kernel" "$SHIM/dflash/kernels"
+  for part in common shards kernels train precompute testing; do ln -s "$REPO/$part" "$SHIM/dflash/$part"; done
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - "$REPO" <<'PYEOF' || exit 2
 import os, sys, torch, triton
-import dflash.kernels
-where = os.path.realpath(os.path.dirname(dflash.kernels.__file__))
-if where != os.path.realpath(os.path.join(sys.argv[1], "kernel")):
+import dflash.kernels.loss
+where = os.path.realpath(os.path.dirname(dflash.kernels.loss.__file__))
+if where != os.path.realpath(os.path.join(sys.argv[1], "kernels")):
     sys.exit(f"gpu_check: FAIL: dflash.kernels imports from {where}, not this checkout; "
              "uninstall that copy or run from it")
 print(f"gpu_check: python {sys.executable}, torch {torch.__version__}, triton {triton.__version__}, "
