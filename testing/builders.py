@@ -385,13 +385,14 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
 # --------------------------------------------------------------------------- drafters
 
 
-def drafter_config(**fields):
-    """A DrafterConfig with the tests' tiny dimensions (hidden 32, intermediate 48, 4 heads of
-    8, 2 KV heads); `fields` gives the rest (vocabulary, layers, target layers, block...)."""
-    from dflash.train.model import DrafterConfig
+def drafter_config(kind: str | None = None, **fields):
+    """A drafter config of `kind` (train/drafters/; None: the default kind) with the tests' tiny
+    dimensions (hidden 32, intermediate 48, 4 heads of 8, 2 KV heads); `fields` gives the rest
+    (vocabulary, layers, target layers, block, the kind's own fields...)."""
+    from dflash.train import drafters
 
     dims = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return DrafterConfig(**{**dims, **fields})
+    return drafters.get(kind or drafters.DEFAULT).config_class(**{**dims, **fields})
 
 
 # --------------------------------------------------------------------------- loss kernels

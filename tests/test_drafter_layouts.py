@@ -80,7 +80,10 @@ def test_a_full_export_is_written_as_before():
 
 
 def test_the_model_card_states_the_layout():
-    from dflash.train.export import _attention_sentence, _serving_lines
+    from dflash.train import drafters
+    from dflash.train.export import _attention_sentence
+
+    _serving_lines = drafters.get(drafters.DEFAULT).serving_lines
 
     assert _attention_sentence(make_config()) == ""
     assert _attention_sentence(make_config(layer_types=MIXED, sliding_window=6)) == (

@@ -2,7 +2,6 @@
 spike gating, `--init-from` a DFlash drafter; `eval` offline drafts as online decoding does;
 online decoding with a DSpark drafter is lossless (greedy and sampled)."""
 
-import dataclasses
 import signal
 from pathlib import Path
 
@@ -13,9 +12,11 @@ from safetensors.torch import load_file
 
 from dflash.shards import open_cache
 from dflash.testing.builders import drafter_config, fit_cache, tiny_causal_lm
+from dflash.train import drafters
 from dflash.train.acceptance import sequence_acceptance, target_top1
 from dflash.train.checkpoint import latest_checkpoint, list_checkpoints
-from dflash.train.dspark import DSparkDrafter, make_drafter
+from dflash.train.drafters import make as make_drafter
+from dflash.train.drafters.dspark import DSparkDrafter
 from dflash.train.export import write_export
 from dflash.train.fit import fit
 from dflash.train.loading import load_drafter
@@ -132,7 +133,8 @@ def target():
 
 def dspark_proposer(target, block_size: int, repeats: bool) -> DrafterProposer:
     torch.manual_seed(1)
-    config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS, num_target_layers=6,
+    config = drafter_config("dspark", num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
+                            num_target_layers=6,
                             block_size=block_size, mask_token_id=V - 1, initializer_range=0.2, markov_rank=V)
     drafter = make_drafter(config, attention="dense")
     if repeats:  # a Markov bias that drafts the previous token again, far above the backbone's logits
@@ -170,7 +172,10 @@ def test_dspark_sampled_decoding_runs_with_match_sampler(target):
 
 
 def test_a_dspark_config_round_trips_through_the_run_file():
-    config = drafter_config(num_hidden_layers=1, vocab_size=V, target_layer_ids=[1], num_target_layers=3,
+    config = drafter_config("dspark", num_hidden_layers=1, vocab_size=V, target_layer_ids=[1], num_target_layers=3,
                             mask_token_id=0, markov_rank=4, confidence_head=True)
-    assert DrafterConfig.from_dict(config.to_dict()) == config
-    assert dataclasses.replace(config, markov_rank=None, confidence_head=False).num_drafts == config.num_drafts - 1
+    assert drafters.config_from_dict(config.to_dict()) == config
+    legacy = {name: value for name, value in config.to_dict().items() if name != "kind"}  # written before kinds
+    assert drafters.config_from_dict(legacy) == config
+    assert drafters.of_config(config).num_drafts(config.block_size) == config.block_size  # the anchor drafts too
+    assert drafters.get("dflash").num_drafts(config.block_size) == config.block_size - 1

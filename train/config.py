@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash.common.options import (
+    CHOICES,
     METAVAR,
     NONE_WORD,
     PATH,
@@ -40,6 +41,7 @@ from dflash.common.options import (
     field_docs,
     resumable,
 )
+from dflash.train import drafters
 from dflash.train.gating import GatingConfig
 
 DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
@@ -94,21 +96,12 @@ class ModelConfig:
     auto: the --init-from source's, else causal in sliding_attention layers only (how z-lab's
     reference and vLLM read a drafter config without is_causal)."""
 
-    drafter: Literal["dflash", "dspark"] = "dflash"
-    """dflash, or dspark: the DFlash backbone plus a Markov head (each draft's logits get a
-    bias from the token before it; a block of block_size drafts block_size tokens, its anchor
-    included) served by vLLM's `dspark` method (train/dspark.py)."""
-    markov_rank: int = 256
-    """dspark: rank of the Markov head (markov_w1 [vocab, rank], markov_w2 [draft vocab, rank])."""
-    confidence_head: bool = False
-    """dspark: also train a confidence head (each draft's acceptance probability, for vLLM's
-    adaptive verification), by cross-entropy towards the drafter's overlap with the target's top-k."""
+    drafter: str = field(default=drafters.DEFAULT, metadata={CHOICES: drafters.names})
+    """The drafter kind (train/drafters/): the family of drafter trained, exported and served;
+    a kind's own options are flags of their own."""
 
     def __post_init__(self) -> None:
         check_choices(self)
-        _positive(self, "markov_rank")
-        if self.confidence_head and self.drafter != "dspark":
-            raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
         if self.layer_types is not None:
             unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
             if unknown or not self.layer_types:
@@ -262,6 +255,18 @@ class LoggingConfig:
         _positive(self, "log_every")
 
 
+def _options_class() -> type:
+    """One component holding every registered kind's fit options (train/drafters/): their
+    fields are flat keys as any other (flags, TOML, RUN/config.json), in every run's config; a
+    kind's options change the numbers of its own runs only (`check_resume`)."""
+    bases = tuple(kind.options for kind in drafters.kinds() if kind.options is not None)
+    namespace = {"__module__": __name__, "__doc__": _options_class.__doc__}
+    return dataclass(kw_only=True)(type("DrafterOptions", bases, namespace))
+
+
+DrafterOptions = _options_class()
+
+
 @dataclass(kw_only=True)
 class FitConfig:
     """The whole configuration of a run: its inputs and output, then one config per component.
@@ -279,6 +284,7 @@ class FitConfig:
     init_from: str | None = field(default=None, metadata={RESUMABLE: True})
     """Start from this drafter's weights (a z-lab-layout folder, a run folder or RUN/checkpoints/step-N)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -304,6 +310,9 @@ class FitConfig:
                                  "o_proj and down_proj are loaded): drop --out-init zero")
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
+        for kind in drafters.kinds():
+            if kind.options is not None:
+                kind.check_options(self.drafter_options, selected=kind.name == self.model.drafter)
         if self.data.tokens_per_step % self.model.block_size:
             raise ValueError(
                 f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of "
@@ -471,9 +480,11 @@ def check_resume(saved_path: Path, config: FitConfig) -> None:
     current = config.to_dict()
     defaults = {info.name: None if info.default is dataclasses.MISSING else info.default
                 for info in describe_fields()}
-    # A DFlash run has no Markov head: its rank changes nothing, whatever either call said.
-    dflash = saved.get("drafter", defaults["drafter"]) == current["drafter"] == "dflash"
-    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"} - ({"markov_rank"} if dflash else set())):
+    # Another kind's options change nothing in this run, whatever either call said (a change
+    # of kind is refused by the `drafter` field itself).
+    kind = drafters.get(current["drafter"])
+    idle = {name for other in drafters.kinds() if other is not kind for name in other.option_names()}
+    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"} - (idle - kind.option_names())):
         a, b = saved.get(name, defaults[name]), current[name]
         if name == "cache":
             a = [str(Path(p).resolve()) for p in a or []]

@@ -45,6 +45,7 @@ from dflash.common.files import write_json_atomic
 from dflash.common.fingerprint import target_fingerprint
 from dflash.common.options import METAVAR, ONLY_ON, PATH, check_choices, config_options, given
 from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
+from dflash.train import drafters
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features
 from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
@@ -296,9 +297,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     device = _device(config.device)
     loaded = load_drafter(config.run, config.checkpoint, device=device)
     drafter = loaded.drafter.eval()
-    block_size = config.block_size or drafter.config.block_size
-    if drafter.config.markov_rank is not None:  # DSpark: its block of N drafts N, verified as N + 1 tokens
-        block_size += 1
+    # The verify: the drafts and the bonus token (train/drafters/: the kind's block of rows).
+    block_size = drafters.of(drafter).num_drafts(config.block_size or drafter.config.block_size) + 1
     result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
 
     selection, keep = _select(config, loaded)

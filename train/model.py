@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -56,7 +56,12 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # Hug
 
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Shape of the drafter; the attention and MLP sizes default to the target's."""
+    """Shape of the drafter; the attention and MLP sizes default to the target's. A drafter
+    kind with fields of its own subclasses it (train/drafters/)."""
+
+    kind: ClassVar[str | None] = None
+    """The registry name of the kind whose config this class is (train/drafters/); None: the
+    default kind, and `to_dict` writes no `kind` (a config as written before kinds had names)."""
 
     hidden_size: int
     """Model width; must equal the target's hidden size (the embedding and LM head are shared)."""
@@ -97,13 +102,6 @@ class DrafterConfig:
     """Rows of the drafter's own head when it drafts from a draft vocabulary (the buffers
     `draft_head`, the target LM head's rows of those tokens, and `draft_ids`, their target
     ids; train/draft_vocab.py); None: it scores the target's whole head."""
-    markov_rank: int | None = None
-    """DSpark (train/dspark.py): rank r of the Markov head (markov_w1 [V, r], markov_w2
-    [V_draft, r]); None: a DFlash drafter. A DSpark block is the anchor and block_size - 1
-    masks, and every position predicts the next token (block_size drafts)."""
-    confidence_head: bool = False
-    """DSpark: also a confidence head (a linear map of [hidden; markov_w1[previous token]] to
-    the logit of the position's acceptance probability)."""
     layer_types: list[str] | None = None
     """Attention of each layer, "full_attention" or "sliding_attention" (Hugging Face's names);
     None: every layer full_attention."""
@@ -143,10 +141,6 @@ class DrafterConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
             raise ValueError(f"draft_vocab_size must lie in [1, {self.vocab_size}) (the target's vocabulary), got "
                              f"{self.draft_vocab_size}: drop --draft-vocab to draft from the whole vocabulary")
-        if self.markov_rank is not None and self.markov_rank < 1:
-            raise ValueError(f"DrafterConfig.markov_rank must be >= 1 (or None for DFlash), got {self.markov_rank}")
-        if self.confidence_head and self.markov_rank is None:
-            raise ValueError("DrafterConfig.confidence_head is a DSpark head: set markov_rank too")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.layer_types is not None:
             self.layer_types = [str(t) for t in self.layer_types]
@@ -170,12 +164,6 @@ class DrafterConfig:
         return (self.sliding_window if sliding else None), (sliding if self.is_causal is None else self.is_causal)
 
     @property
-    def num_drafts(self) -> int:
-        """Tokens one block drafts: block_size - 1 (DFlash: the anchor is the bonus token), or
-        block_size (DSpark: the anchor's own position predicts too)."""
-        return self.block_size if self.markov_rank is not None else self.block_size - 1
-
-    @property
     def context_width(self) -> int:
         """Input width of fc: feature_width, or L*H raw target features."""
         return self.feature_width or len(self.target_layer_ids) * self.hidden_size
@@ -191,16 +179,18 @@ class DrafterConfig:
             del data["feature_width"], data["feature_basis_sha256"]
         if data["draft_vocab_size"] is None:  # so do whole-vocabulary drafters
             del data["draft_vocab_size"]
-        if data["markov_rank"] is None:  # and DFlash drafters
-            del data["markov_rank"], data["confidence_head"]
         for name in ("layer_types", "sliding_window", "is_causal"):  # and full bidirectional ones
             if data[name] is None:
                 del data[name]
+        if self.kind is not None:
+            data["kind"] = self.kind
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> DrafterConfig:
-        return cls(**data)
+        """This class's config from `to_dict`'s dict (its `kind` is the class's: train/drafters/
+        picks the class, `config_from_dict`)."""
+        return cls(**{name: value for name, value in data.items() if name != "kind"})
 
     @classmethod
     def from_target(
