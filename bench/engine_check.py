@@ -115,6 +115,7 @@ class Family:
     arch: str  # "llama" (tied embeddings) or "qwen3" (untied head, q/k norms)
     feature_codec: str
     block_size: int
+    """The drafter's rows per block (the name's bN); its kind converts them to `fit --num-drafts`."""
     dtype: str
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     broken: tuple[str, ...] = ()
@@ -206,8 +207,10 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     run = work / f"run-{family.name}"
     max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
-        options = {"block_size": family.block_size, "max_steps": max_steps, "eval_fraction": 0.0, "lr": 5e-3,
-                   "anchors_per_seq": 64, "num_layers": 1, "checkpoint_every": max_steps, "tokens_per_step": 384,
+        kind = drafters.get(family.fit_options.get("drafter", drafters.DEFAULT))
+        options = {"num_drafts": kind.num_drafts(family.block_size), "max_steps": max_steps,
+                   "eval_fraction": 0.0, "lr": 5e-3, "anchors_per_seq": 64, "num_layers": 1,
+                   "checkpoint_every": max_steps, "tokens_per_step": 384,
                    "log_every": 100, "draft_vocab": family.draft_vocab}
         fit(tiny_fit_config(cache, run, **{**options, **family.fit_options}))
     return target, cache, run

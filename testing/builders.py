@@ -61,7 +61,7 @@ VOCAB_SIZE = 320
 
 # A small synthetic training cache and the tiny fit the training tests run on it.
 FIT_LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
-TINY_FIT = dict(num_layers=1, block_size=4, tokens_per_step=96, eval_every=0, eval_fraction=0.1, wandb=False,
+TINY_FIT = dict(num_layers=1, num_drafts=3, tokens_per_step=96, eval_every=0, eval_fraction=0.1, wandb=False,
                 spike_warmup_steps=2, log_every=1)
 
 

@@ -26,7 +26,7 @@ H, V, R = 32, 50, 6  # H: dflash.testing.builders.drafter_config's hidden size
 def make_dspark(confidence: bool = True, draft_vocab: int | None = None, seed: int = 0) -> DSparkDrafter:
     torch.manual_seed(seed)
     config = drafter_config("dspark", num_hidden_layers=2, vocab_size=V, target_layer_ids=[1, 3], num_target_layers=5,
-                            block_size=4, mask_token_id=V - 1, markov_rank=R, confidence_head=confidence,
+                            num_drafts=4, mask_token_id=V - 1, markov_rank=R, confidence_head=confidence,
                             draft_vocab_size=draft_vocab)
     model = make_drafter(config, attention="dense")
     if draft_vocab is not None:

@@ -31,7 +31,7 @@ SGLANG_KEYS = ["block_size", "num_target_layers", "hidden_act", "dflash_config.t
 def make_drafter(num_layers: int = 2, block_size: int = 8) -> DFlashDrafter:
     torch.manual_seed(0)
     config = drafter_config(num_hidden_layers=num_layers, vocab_size=50, target_layer_ids=[1, 4, 7],
-                            num_target_layers=10, block_size=block_size, mask_token_id=47, rope_theta=50_000.0)
+                            num_target_layers=10, num_drafts=block_size - 1, mask_token_id=47, rope_theta=50_000.0)
     return DFlashDrafter(config, attention="dense").eval()
 
 

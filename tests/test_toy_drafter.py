@@ -55,7 +55,7 @@ def toy_run(tmp_path_factory):
     regenerated_cache(target, tokenizer, prompts, root / "cache", max_new_tokens=16)
     result = CliRunner().invoke(main, [
         "fit", "--cache", str(root / "cache"), "--out", str(root / "run"), "--drafter", "toy", "--num-layers", "1",
-        "--block-size", "4", "--tokens-per-step", "96", "--anchors-per-seq", "8", "--max-steps", "3",
+        "--num-drafts", "3", "--tokens-per-step", "96", "--anchors-per-seq", "8", "--max-steps", "3",
         "--checkpoint-every", "3", "--eval-every", "0", "--eval-fraction", "0.3", "--no-wandb"])
     assert result.exit_code == 0, result.output
     return root

@@ -204,7 +204,8 @@ class OfflineTotals:
             "num_sequences": self.num_sequences,
             "replay_acceptance_length": (float(np.mean(self.replay_taus)) if self.replay_taus else None),
             "num_replay_verifications": len(self.replay_taus),
-            "block_size": self.block_size,
+            "num_drafts": self.block_size - 1,
+            "verify_size": self.block_size,
         }
 
 

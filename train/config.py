@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 
@@ -45,6 +46,7 @@ from dflash.train import drafters
 from dflash.train.gating import GatingConfig
 
 DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
+RENAMED = "block_size"  # num_drafts's key before the block was named once (`renamed`)
 AUTO = {NONE_WORD: "auto"}
 BOOKKEEPING = {RESUMABLE: True}  # a resumed run may change it: it does not change the numbers
 
@@ -59,8 +61,10 @@ def _positive(config: Any, *names: str) -> None:
 class ModelConfig:
     num_layers: int | None = field(default=None, metadata=AUTO)
     """Drafter decoder layers; auto: the --init-from source's, else 5."""
-    block_size: int = 16
-    """Tokens per block: the anchor and block_size - 1 predictions."""
+    num_drafts: int | None = field(default=None, metadata=AUTO)
+    """Tokens drafted per verify (vLLM's num_speculative_tokens); the verify checks num_drafts + 1,
+    the drafts and the target's bonus token. The drafter rows one block takes are the kind's;
+    auto: the kind's default (a block of 16 rows)."""
     mask_token_id: int | None = field(default=None, metadata=AUTO)
     """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
     tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
@@ -116,8 +120,8 @@ class ModelConfig:
             _positive(self, "draft_vocab")
         if self.num_layers is not None:
             _positive(self, "num_layers")
-        if self.block_size < 2:
-            raise ValueError(f"fit config: block_size must be >= 2, got {self.block_size}")
+        if self.num_drafts is not None:
+            _positive(self, "num_drafts")
 
 
 @dataclass(kw_only=True)
@@ -313,11 +317,20 @@ class FitConfig:
         for kind in drafters.kinds():
             if kind.options is not None:
                 kind.check_options(self.drafter_options, selected=kind.name == self.model.drafter)
-        if self.data.tokens_per_step % self.model.block_size:
+        if self.model.num_drafts is None:
+            self.model = dataclasses.replace(self.model,
+                                             num_drafts=drafters.get(self.model.drafter).default_num_drafts)
+        rows = self.block_rows
+        if self.data.tokens_per_step % rows:
             raise ValueError(
-                f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of "
-                f"block_size ({self.model.block_size})"
+                f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of the block's "
+                f"{rows} drafter rows (--num-drafts {self.model.num_drafts} of --drafter {self.model.drafter})"
             )
+
+    @property
+    def block_rows(self) -> int:
+        """Drafter rows (block tokens) of one block: the kind's for num_drafts (train/drafters/)."""
+        return drafters.get(self.model.drafter).block_rows(self.model.num_drafts)
 
     def components(self) -> dict[str, Any]:
         """The component configs by section name (`model`, `data`, ...)."""
@@ -325,7 +338,10 @@ class FitConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FitConfig:
-        """From flat keys (leaf field names; a field's none word, e.g. "auto", means None)."""
+        """From flat keys (leaf field names; a field's none word, e.g. "auto", means None); a
+        `block_size` (fit's key before the block was named once) is read as its kind's
+        num_drafts, with a warning."""
+        values = renamed(values, warn=True)
         unknown = sorted(set(values) - set(LEAVES))
         if unknown:
             raise ValueError(f"fit config: unknown field(s) {unknown}; known fields: {sorted(LEAVES)}")
@@ -356,6 +372,8 @@ def check_types(values: Mapping[str, Any], where: str) -> None:
     """ValueError naming `where` and the field when a value is not of its field's type (a
     TOML `num_layers = "one"`); a field's none word is accepted for None."""
     for name, value in values.items():
+        if name == RENAMED:  # an integer, read by `renamed`
+            continue
         section, spec = LEAVES[name]
         if value is None or (isinstance(value, str) and value == spec.metadata.get(NONE_WORD)):
             continue
@@ -444,13 +462,13 @@ def load_toml(path: str | Path) -> dict:
         if key in COMPONENTS and isinstance(value, dict):
             for inner, inner_value in value.items():
                 inner = inner.replace("-", "_")
-                if LEAVES.get(inner, (None,))[0] != key:
+                if LEAVES.get(inner, (None,))[0] != key and (key, inner) != ("model", RENAMED):
                     raise ValueError(f"{path}: [{key}] has no field {inner!r}; its fields: "
                                      f"{sorted(f.name for f in dataclasses.fields(COMPONENTS[key]))}")
                 values[inner] = inner_value
         else:
             values[key] = value
-    unknown = sorted(set(values) - FIELDS)
+    unknown = sorted(set(values) - FIELDS - {RENAMED})
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(FIELDS)}")
     check_types(values, str(path))
@@ -474,9 +492,30 @@ def resolve(config_file: str | Path | None, overrides: dict) -> FitConfig:
     return FitConfig.from_dict(values)
 
 
+def renamed(values: Mapping[str, Any], *, warn: bool) -> dict[str, Any]:
+    """Flat keys with a `block_size` (the name before the block was named once: the drafter's
+    rows per block, e.g. 16 for 15 drafts of the default kind) as `num_drafts`, converted by
+    the `drafter` kind; `warn`: say so on stderr (a flag or config file gave it)."""
+    values = dict(values)
+    if values.get(RENAMED) is None:
+        values.pop(RENAMED, None)
+        return values
+    rows = int(values.pop(RENAMED))
+    kind = drafters.get(values.get("drafter") or drafters.DEFAULT)
+    if values.get("num_drafts") is not None and values["num_drafts"] != kind.num_drafts(rows):
+        raise ValueError(f"fit config: block_size {rows} (--drafter {kind.name}: {kind.num_drafts(rows)} drafts) "
+                         f"and num_drafts {values['num_drafts']} disagree: give num_drafts alone")
+    values["num_drafts"] = kind.num_drafts(rows)
+    if warn:
+        print(f"warning: block_size (--block-size) {rows} is deprecated: for --drafter {kind.name} it means "
+              f"--num-drafts {values['num_drafts']} (a verify of {values['num_drafts'] + 1}); pass that instead",
+              file=sys.stderr, flush=True)
+    return values
+
+
 def check_resume(saved_path: Path, config: FitConfig) -> None:
     """Refuse to resume a run whose saved config differs in a field that changes the numbers."""
-    saved = json.loads(saved_path.read_text())
+    saved = renamed(json.loads(saved_path.read_text()), warn=False)  # a run started before the rename too
     current = config.to_dict()
     defaults = {info.name: None if info.default is dataclasses.MISSING else info.default
                 for info in describe_fields()}

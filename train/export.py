@@ -8,7 +8,8 @@ engines that adopted its format read:
 - `config.json`: a Qwen3 config (`model_type: "qwen3"`, every attention/MLP/norm/RoPE field
   written out, RoPE both as `rope_parameters` and as the older top-level `rope_theta`) plus
   the DFlash fields: `architectures: ["DFlashDraftModel"]`,
-  top-level `block_size` and `num_target_layers`, and `dflash_config` with
+  top-level `block_size` (the block's drafter rows, the kind's for its num_drafts: vLLM's
+  default num_speculative_tokens is derived from it) and `num_target_layers`, and `dflash_config` with
   `target_layer_ids` (the target decoder layers whose outputs feed the drafter, in feature
   order; Hugging Face `hidden_states[id + 1]`) and `mask_token_id` (a row of the target's
   embedding).
@@ -89,14 +90,14 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
     data: dict[str, Any] = {
         "architectures": [kind.architecture],
         "model_type": "qwen3",
-        "block_size": config.block_size,
+        "block_size": kind.hf_block_size(config),  # vLLM's and SGLang's field: the block's rows
         "num_target_layers": config.num_target_layers,
         # Read by z-lab's DFlashDraftModel (target_layer_ids, mask_token_id), vLLM's DFlash
         # loader (also causal and use_swa) and SGLang's (block_size here or top-level).
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
-            "block_size": config.block_size,
+            "block_size": kind.hf_block_size(config),
             **causal,
             "use_swa": False,
         },
@@ -248,9 +249,9 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         f"# {kind.title} drafter{f' for {target}' if target else ''}",
         "",
         "A block-diffusion draft model for speculative decoding (DFlash, arXiv 2602.06036), trained "
-        "with dflash from an offline target cache. It drafts a block of "
-        f"{c.block_size} tokens (the last committed token and {c.block_size - 1} guesses) in one "
-        f"forward from the target's layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
+        f"with dflash from an offline target cache. It drafts {c.num_drafts} tokens per verify of "
+        f"{c.num_drafts + 1} (the drafts and the target's bonus token) in one forward from the target's "
+        f"layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
         f"layers; Hugging Face `hidden_states[id + 1]`). "
         + ("It has no embedding and no LM head: it uses the target's, frozen. " if c.draft_vocab_size is None else
            f"It has no embedding (it uses the target's) and an LM head of {c.draft_vocab_size:,} rows, the "
@@ -328,7 +329,9 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
         how = f"temperature {suite['temperature']:g}" if suite["temperature"] else "greedy"
         lines.append(f"| online, {suite['suite']} ({how}) | {suite['acceptance_length'] or 0:.3f} | "
                      f"{suite['num_prompts']} prompts, {suite['num_turns']} turns |")
-    lines += ["", f"Block size {evaluation.get('block_size')}; tau counts the target's bonus token."]
+    verify = evaluation.get("verify_size", evaluation.get("block_size"))  # (block_size: an eval before the rename)
+    lines += ["", f"Verify size {verify} ({verify - 1 if verify else '?'} drafts and the target's bonus token); "
+              "tau counts the bonus token."]
     return lines
 
 

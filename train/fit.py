@@ -231,7 +231,7 @@ def _train(run: Run) -> None:
         sent = pending or reads[0]
         batch, layout = _receive(run, run.feed, sent)
         start, stop = plan.step_blocks(step_in_epoch)
-        tokens = (stop - start) * config.model.block_size  # global block tokens of this step
+        tokens = (stop - start) * config.block_rows  # global block tokens of this step
 
         lr = lr_at(step, run.total_steps, config.optimizer.warmup_ratio, config.optimizer.lr)
         for group in run.optimizer.param_groups:
@@ -352,7 +352,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     if is_main and resume_from is not None:
         print(f"resuming from {resume_from} (step {step})", flush=True)
     # Every kind as DFlash of its drafts: the block of the anchor and its drafts.
-    gamma = config.loss.decay_gamma or decay_gamma(kind.num_drafts(drafter_config.block_size) + 1)
+    gamma = config.loss.decay_gamma or decay_gamma(drafter_config.num_drafts + 1)
     writer = CheckpointWriter(run_dir, config.checkpoint.keep_checkpoints) if is_main else None
     # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
     logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
@@ -443,11 +443,11 @@ def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterCo
 
 def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
     """The console's statement of what the run will do, printed at start."""
-    blocks = config.data.tokens_per_step // config.model.block_size
+    blocks = config.data.tokens_per_step // config.block_rows
     epochs = total_steps / steps_per_epoch
     why = (f"--max-steps {config.data.max_steps} overrides --epochs {config.data.epochs}"
            if config.data.max_steps else f"--epochs {config.data.epochs}")
-    return (f"plan: {total_steps} steps of {blocks} blocks x {config.model.block_size} tokens = "
+    return (f"plan: {total_steps} steps of {blocks} blocks x {config.block_rows} tokens = "
             f"{epochs:.3g} epochs of {steps_per_epoch} steps ({why})")
 
 
@@ -466,7 +466,7 @@ def _drafter_config(target_dir: Path, corpus: Corpus, config: FitConfig,
     model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id, layer_types=layer_types,
                                 sliding_window=sliding_window, is_causal=is_causal)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
-                                               block_size=model.block_size, mask_token_id=model.mask_token_id)
+                                               num_drafts=model.num_drafts, mask_token_id=model.mask_token_id)
     drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab, layer_types=layer_types,
                                          sliding_window=sliding_window, is_causal=is_causal)
     drafter_config = drafters.get(model.drafter).drafter_config(drafter_config, config.drafter_options)
@@ -483,7 +483,7 @@ def _drafter_config(target_dir: Path, corpus: Corpus, config: FitConfig,
 
 def _plan(corpus: Corpus, excluded, config: FitConfig, world_size: int) -> DataPlan:
     """The plan over the sequences not in `excluded` ([num sequences] bool)."""
-    return DataPlan(num_eligible=corpus.num_eligible, held_out=excluded, block_size=config.model.block_size,
+    return DataPlan(num_eligible=corpus.num_eligible, held_out=excluded, block_size=config.block_rows,
                     anchors_per_seq=config.data.anchors_per_seq, tokens_per_step=config.data.tokens_per_step,
                     seed=config.data.seed, world_size=world_size)
 
@@ -541,7 +541,7 @@ def _read(run: Run, feed: BatchFeed, plan: DataPlan, stream: int, step_in_stream
     """Read this rank's batch of `plan`'s step `step_in_stream` of `stream` into `feed`'s next
     slot and start its copy to the device."""
     kind = drafters.of_config(run.drafter_config)
-    labels = kind.num_drafts(run.config.model.block_size) + 1  # the block the labels are read for
+    labels = run.drafter_config.num_drafts + 1  # the block the labels are read for: the anchor and its drafts
 
     def read(staging):
         batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
@@ -563,7 +563,7 @@ def _receive(run: Run, feed: BatchFeed, sent: Sent):
     """(batch, layout) on the device, for the current stream: the layout's index tensors come
     with the batch (no host-to-device copy that would wait for the device's queue)."""
     batch = feed.receive(sent)
-    B = run.config.model.block_size
+    B = run.config.block_rows
     context_lengths = [length for length, _ in batch.segments]
     num_blocks = [len(anchors) for _, anchors in batch.segments]
     layout = BlockLayout(
@@ -644,8 +644,8 @@ def _step_figures(run: Run, batch, loss_sum: torch.Tensor, argmax: torch.Tensor,
                   weight_sum: torch.Tensor) -> tuple[float, list[float | None]]:
     """(global weighted mean loss, accuracy per drafting block position: the kind's first to B-1)
     of a step (collective)."""
-    B = run.config.model.block_size
-    first = B - drafters.of_config(run.drafter_config).num_drafts(B)  # the first block position that drafts
+    B = run.config.block_rows
+    first = B - run.drafter_config.num_drafts  # the first block position that drafts
     hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
     correct = torch.bincount(batch.label_positions, weights=hit.double(), minlength=B)
     counted = torch.bincount(batch.label_positions, minlength=B).double()
@@ -764,8 +764,8 @@ def evaluate_held_out(run: Run) -> dict:
     token counts 1). When the cache holds the target's own greedy continuations this is the
     online greedy acceptance for those anchors.
     """
-    B, plan, device = run.config.model.block_size, run.eval_plan, run.device
-    first = B - drafters.of_config(run.drafter_config).num_drafts(B)  # the first block position that drafts
+    B, plan, device = run.config.block_rows, run.eval_plan, run.device
+    first = B - run.drafter_config.num_drafts  # the first block position that drafts
     steps = min(plan.steps_per_epoch, math.ceil(run.config.eval.eval_tokens / run.config.data.tokens_per_step))
     was_training = run.wrapped.training
     run.wrapped.eval()

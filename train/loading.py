@@ -132,7 +132,7 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         vocab_size=int(data["vocab_size"]),
         target_layer_ids=[int(i) for i in pick("target_layer_ids")],
         num_target_layers=int(pick("num_target_layers", max(pick("target_layer_ids")) + 1)),
-        block_size=int(pick("block_size", 16)),
+        num_drafts=kind.num_drafts(int(pick("block_size", 16))),  # vLLM's block_size: the kind's rows
         mask_token_id=int(pick("mask_token_id")),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),

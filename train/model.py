@@ -81,8 +81,10 @@ class DrafterConfig:
     """Target decoder layers whose outputs feed the drafter, in cache order."""
     num_target_layers: int
     """Decoder layers of the target (recorded for export)."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor plus block_size - 1 predictions."""
+    num_drafts: int = 15
+    """Tokens one block drafts per verify (vLLM's num_speculative_tokens); the verify checks
+    num_drafts + 1 tokens, the drafts and the target's bonus token. The drafter rows a block
+    takes are the kind's (train/drafters/: `block_rows`)."""
     mask_token_id: int
     """Token id whose (frozen) embedding fills the block positions after the anchor."""
     rms_norm_eps: float = 1e-6
@@ -125,8 +127,8 @@ class DrafterConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DrafterConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.block_size < 2:
-            raise ValueError(f"DrafterConfig.block_size must be >= 2 (anchor + predictions), got {self.block_size}")
+        if self.num_drafts < 1:
+            raise ValueError(f"DrafterConfig.num_drafts must be >= 1, got {self.num_drafts}")
         if not self.target_layer_ids:
             raise ValueError("DrafterConfig.target_layer_ids is empty: the drafter needs target features")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -198,7 +200,7 @@ class DrafterConfig:
         target_dir: str | Path,
         *,
         num_hidden_layers: int = 5,
-        block_size: int = 16,
+        num_drafts: int = 15,
         mask_token_id: int | None = None,
     ) -> DrafterConfig:
         """Size a drafter for the target described by `CACHE/target/` (config.json, target.json).
@@ -224,7 +226,7 @@ class DrafterConfig:
             vocab_size=target.vocab_size,
             target_layer_ids=list(target.layer_ids),
             num_target_layers=target.num_layers,
-            block_size=block_size,
+            num_drafts=num_drafts,
             mask_token_id=choose_mask_token_id(target, target_dir) if mask_token_id is None else mask_token_id,
             rms_norm_eps=float(target.rms_norm_eps or hf_text.get("rms_norm_eps") or 1e-6),
             rope_theta=float(rope_theta),
@@ -785,8 +787,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float) -> float:
-    """Training FLOPs (forward + backward, 3x forward) per block token, for MFU.
+def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float, block_rows: int | None = None) -> float:
+    """Training FLOPs (forward + backward, 3x forward) per block token, for MFU; a block of
+    `block_rows` rows (the kind's, train/drafters/; default the verify size, num_drafts + 1).
 
     Counts the layers' matmuls on block tokens and attention over `mean_context_per_query`
     visible keys (a sliding layer's at most its window's); context projections (fc and
@@ -794,12 +797,13 @@ def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float) 
     inside the loss (counted by the caller).
     """
     c = config
+    rows = c.num_drafts + 1 if block_rows is None else block_rows
     h, hd = c.hidden_size, c.head_dim
     per_layer = 2 * h * (c.num_attention_heads * hd) * 2 + 2 * h * (c.num_key_value_heads * hd) * 2 \
         + 3 * 2 * h * c.intermediate_size
     kinds = c.layer_types or [FULL_ATTENTION] * c.num_hidden_layers
-    keys = sum(min(mean_context_per_query + c.block_size, c.sliding_window) if kind == SLIDING_ATTENTION
-               else mean_context_per_query + c.block_size for kind in kinds)
+    keys = sum(min(mean_context_per_query + rows, c.sliding_window) if kind == SLIDING_ATTENTION
+               else mean_context_per_query + rows for kind in kinds)
     return 3.0 * (c.num_hidden_layers * per_layer + 2 * 2 * c.num_attention_heads * hd * keys)
 
 

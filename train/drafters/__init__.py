@@ -8,7 +8,8 @@ asks which kind it holds.
 
 A drafter config dict (RUN/drafter_config.json) names its kind under `kind`; one written
 before kinds had names has none, and is the kind that claims its fields
-(`DrafterKind.claims_legacy`), else the default kind.
+(`DrafterKind.claims_legacy`), else the default kind. One written before the block was
+named once holds `block_size`, the kind's rows per block, read as its `num_drafts`.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def make(config: DrafterConfig, **kwargs: Any) -> DFlashDrafter:
 def config_from_dict(data: dict[str, Any]) -> DrafterConfig:
     """A drafter config from its dict (`DrafterConfig.to_dict`, or one written before kinds had names)."""
     data = dict(data)
-    name = data.pop("kind", None) or next((k.name for k in kinds() if k.claims_legacy(data)), DEFAULT)
-    return get(name).config_class.from_dict(data)
+    kind = get(data.pop("kind", None) or next((k.name for k in kinds() if k.claims_legacy(data)), DEFAULT))
+    if "block_size" in data:  # written before the block was named once: the kind's rows per block
+        data["num_drafts"] = kind.num_drafts(int(data.pop("block_size")))
+    return kind.config_class.from_dict(data)
 
 
 def of_hf(data: dict[str, Any], where: str) -> DrafterKind:

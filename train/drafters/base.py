@@ -75,6 +75,8 @@ class DrafterKind:
     head_prefixes: ClassVar[tuple[str, ...]] = ()
     """State-dict prefixes of the kind's heads beyond the DFlash backbone: `--init-from` gives
     them only to a drafter that has them (the others keep their fresh weights)."""
+    default_num_drafts: ClassVar[int] = 15
+    """`fit --num-drafts auto`: a block of 16 drafter rows."""
     fsdp: ClassVar[bool] = True
     """Whether FSDP2 can shard it (False: a head acts in the loss, outside FSDP2's forward)."""
 
@@ -106,7 +108,8 @@ class DrafterKind:
         return num_drafts + 1
 
     def num_drafts(self, block_rows: int) -> int:
-        """The inverse of `block_rows`."""
+        """The inverse of `block_rows`: what a `block_size` written before the block was named
+        once meant for this kind (fit's flag, a run's files, an exported config.json)."""
         return block_rows - 1
 
     # -- the model and training -------------------------------------------------------------
@@ -181,20 +184,23 @@ class DrafterKind:
 
     def speculative_config(self, config: DrafterConfig) -> dict[str, Any]:
         """vLLM's --speculative-config for the exported folder (the model path left out)."""
-        return {"method": self.vllm_method, "num_speculative_tokens": self.num_drafts(config.block_size)}
+        return {"method": self.vllm_method, "num_speculative_tokens": config.num_drafts}
+
+    def hf_block_size(self, config: DrafterConfig) -> int:
+        """The exported config.json's `block_size` (vLLM's and SGLang's field): the block's rows."""
+        return self.block_rows(config.num_drafts)
 
     def serving_lines(self, config: DrafterConfig, target: str | None) -> list[str]:
         """The model card's "Serving" section: how to serve the folder with each engine."""
         c = config
-        drafts = self.num_drafts(c.block_size)
         target, spec = vllm_placeholders(target, self.speculative_config(c))
         return [
             "## Serving",
             "",
             f"Serve next to the target it was trained for (its folder: `{target}`); greedy output is "
-            f"the target's own. Block size {c.block_size}: pass `num_speculative_tokens` "
-            f"{drafts} (B - 1); engines do not read `block_size`, and vLLM takes a larger "
-            "value without complaint.",
+            f"the target's own. {c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass "
+            f"`num_speculative_tokens` {c.num_drafts}; engines do not read `block_size` ({self.hf_block_size(c)}: the "
+            "drafts and the anchor), and vLLM takes a larger value without complaint.",
             "",
             f"vLLM (`{self.vllm_method}` speculative method; keep `\"method\": \"{self.vllm_method}\"` explicit: "
             "without it vLLM guesses the method from the folder's name and, unless the name holds \"dflash\", runs "
@@ -213,7 +219,8 @@ class DrafterKind:
             "",
             "```bash",
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path /path/to/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
+            "--speculative-draft-model-path /path/to/THIS/FOLDER "
+            f"--speculative-num-draft-tokens {self.hf_block_size(c)}",
             "```",
             "",
             ("Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "

@@ -50,7 +50,7 @@ from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 @dataclass(kw_only=True)
 class DSparkConfig(DrafterConfig):
     """A DSpark drafter's config: DFlash's and its heads'. A block is the anchor and
-    block_size - 1 masks, and every position predicts the next token (block_size drafts)."""
+    num_drafts - 1 masks, and every position predicts the next token (num_drafts drafts)."""
 
     kind: ClassVar[str | None] = "dspark"
     markov_rank: int
@@ -241,6 +241,7 @@ class DSparkKind(DrafterKind):
     config_class = DSparkConfig
     options = DSparkOptions
     head_prefixes = ("markov_head.", "confidence_head.")
+    default_num_drafts = 16  # a block of 16 rows, every one drafting
     fsdp = False  # its heads act in the loss, outside FSDP2's forward
 
     def check_options(self, options: Any, selected: bool) -> None:
@@ -266,7 +267,7 @@ class DSparkKind(DrafterKind):
         return DSparkDrafter(config, **kwargs)
 
     def training_batch(self, batch: Any, config: DrafterConfig) -> Any:
-        return anchor_batch(batch, config.block_size)
+        return anchor_batch(batch, config.num_drafts)
 
     def loss_operands(self, model: DFlashDrafter, rows: torch.Tensor, head: TargetHead, batch: Any) -> LossOperands:
         """[rows; markov_w1[prev]] and [head; markov_w2]: the frozen head's columns get no gradient."""
@@ -325,8 +326,8 @@ class DSparkKind(DrafterKind):
         return ["", f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the "
                 "DFlash backbone (`markov_head.markov_w1` [vocab, rank] embeds the previous token, "
                 "`markov_head.markov_w2` [draft vocab, rank] biases the draft logits), drafting left to right; its "
-                f"block is the anchor and {c.block_size - 1} masks, and every position predicts the next token: "
-                f"{c.block_size} drafts per step"
+                f"block is the anchor and {c.num_drafts - 1} masks, and every position predicts the next token: "
+                f"{c.num_drafts} drafts per verify of {c.num_drafts + 1}"
                 + (", with a confidence head (`confidence_head.proj`)." if c.confidence_head else ".")]
 
     def serving_lines(self, config: DrafterConfig, target: str | None) -> list[str]:
@@ -337,8 +338,8 @@ class DSparkKind(DrafterKind):
             "## Serving",
             "",
             f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dspark` "
-            f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the block size, "
-            f"{c.block_size} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, "
+            f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the drafts per "
+            f"verify, {c.num_drafts} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, "
             "which on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
             "",
             "```bash",
