@@ -3,8 +3,8 @@ architecture, run through `fit`, `eval` offline and online, and `export` by thei
 with no other file touched: the registry is the one place a kind plugs in."""
 
 import json
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -33,9 +33,6 @@ class ToyKind(DFlashKind):
     title = "Toy"
     architecture = "ToyDraftModel"
     config_class = ToyConfig
-
-    def drafter_config(self, config: DrafterConfig, options: Any) -> DrafterConfig:
-        return ToyConfig(**{f.name: getattr(config, f.name) for f in fields(DrafterConfig)})
 
 
 drafters.register(ToyKind())

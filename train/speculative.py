@@ -230,6 +230,7 @@ class DrafterProposer:
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
         return self.draft(anchor_token, block_size).tokens[0].tolist()
 
+    @torch.inference_mode()
     def draft(self, anchor_token: int, block_size: int, *, margins: bool = False) -> drafters.Drafts:
         """`propose`'s drafts of one block (tokens [1, block_size - 1]), and each draft's top-1
         minus top-2 logit when `margins`: the kind's block (train/drafters/) through the

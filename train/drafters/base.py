@@ -23,6 +23,7 @@ it is:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -87,8 +88,14 @@ class DrafterKind:
         run trains this kind (else its options are another kind's run's and must be idle)."""
 
     def drafter_config(self, config: DrafterConfig, options: Any) -> DrafterConfig:
-        """The drafter config of this kind from the generic one fit sized and the fit options."""
-        return config
+        """The drafter config of this kind (`config_class`) from the generic one fit sized and
+        the fit options (`config_fields`)."""
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DrafterConfig)}
+        return self.config_class(**fields, **self.config_fields(options))
+
+    def config_fields(self, options: Any) -> dict[str, Any]:
+        """The kind's own drafter config fields, from the fit options."""
+        return {}
 
     def claims_legacy(self, data: dict[str, Any]) -> bool:
         """Whether a drafter config dict written without `kind` (before kinds had names) is this
@@ -96,8 +103,7 @@ class DrafterKind:
         return False
 
     def option_names(self) -> frozenset[str]:
-        import dataclasses
-
+        """The names of the kind's fit options."""
         return frozenset(f.name for f in dataclasses.fields(self.options)) if self.options else frozenset()
 
     # -- the block --------------------------------------------------------------------------

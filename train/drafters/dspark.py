@@ -250,9 +250,8 @@ class DSparkKind(DrafterKind):
         if options.confidence_head and not selected:
             raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
 
-    def drafter_config(self, config: DrafterConfig, options: Any) -> DrafterConfig:
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DrafterConfig)}
-        return DSparkConfig(**fields, markov_rank=options.markov_rank, confidence_head=options.confidence_head)
+    def config_fields(self, options: Any) -> dict[str, Any]:
+        return {"markov_rank": options.markov_rank, "confidence_head": options.confidence_head}
 
     def claims_legacy(self, data: dict[str, Any]) -> bool:
         return data.get("markov_rank") is not None
