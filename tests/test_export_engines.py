@@ -118,7 +118,8 @@ def test_the_card_says_how_to_serve_with_each_engine(tmp_path):
     card = model_card(LoadedDrafter(drafter, tmp_path, 7, {}), evaluation=None)
     assert ("python -m vllm.entrypoints.openai.api_server --model /path/to/TARGET --speculative-config"
             in card and '"method": "dflash"' in card)
-    assert '"num_speculative_tokens": 15' in card and "15 drafts per verify of 16 tokens: pass `num_speculative_tokens` 15" in card
+    assert '"num_speculative_tokens": 15' in card
+    assert "15 drafts per verify of 16 tokens: pass `num_speculative_tokens` 15" in card
     assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 16" in card
     assert "--dtype float32" in card and "plain draft model" in card and "DFlashDraftModel" in card
 
