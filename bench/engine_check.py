@@ -89,6 +89,7 @@ import torch
 from bench.engine_venv import DEFAULT_ENGINE_VENV, ENGINE_VENV_ENV, engine_venv
 from dflash.testing.builders import precompute_config, tiny_fit_config, vllm_target, write_jsonl
 from dflash.testing.families import FAMILIES as TARGET_FAMILIES
+from dflash.train import drafters
 from dflash.train.serving import VLLM_CPU_CANNOT, VLLM_REFUSES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +115,7 @@ class Family:
     arch: str  # "llama" (tied embeddings) or "qwen3" (untied head, q/k norms)
     feature_codec: str
     block_size: int
+    """The drafter's rows per block (the name's bN); its kind converts them to `fit --num-drafts`."""
     dtype: str
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     broken: tuple[str, ...] = ()
@@ -205,8 +207,10 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     run = work / f"run-{family.name}"
     max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
-        options = {"block_size": family.block_size, "max_steps": max_steps, "eval_fraction": 0.0, "lr": 5e-3,
-                   "anchors_per_seq": 64, "num_layers": 1, "checkpoint_every": max_steps, "tokens_per_step": 384,
+        kind = drafters.get(family.fit_options.get("drafter", drafters.DEFAULT))
+        options = {"num_drafts": kind.num_drafts(family.block_size), "max_steps": max_steps,
+                   "eval_fraction": 0.0, "lr": 5e-3, "anchors_per_seq": 64, "num_layers": 1,
+                   "checkpoint_every": max_steps, "tokens_per_step": 384,
                    "log_every": 100, "draft_vocab": family.draft_vocab}
         fit(tiny_fit_config(cache, run, **{**options, **family.fit_options}))
     return target, cache, run
@@ -252,9 +256,9 @@ def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep:
 
 class MarginProposer:
     """A `DrafterProposer` that also keeps each proposed block's drafter top-1 minus top-2
-    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise). A DSpark
-    drafter's drafts are the proposer's own (`sequential_drafts`); their margins are those of
-    the logits each draft was picked from, the Markov bias of the token before it included."""
+    logit per draft (to tell a near-tie from a bug when vLLM drafts otherwise): the drafts are
+    the proposer's own (the kind's `draft`, train/drafters/), the margins those of the logits
+    each draft was picked from."""
 
     def __init__(self, drafter, head):
         from dflash.train.speculative import DrafterProposer
@@ -271,30 +275,9 @@ class MarginProposer:
 
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
-        from dflash.train.dspark import is_dspark
-
-        inner = self.inner
-        if is_dspark(inner.drafter):
-            return self._propose_dspark(anchor_token, block_size)
-        block = torch.full((1, block_size), inner.mask_token_id, dtype=torch.long)  # [1, B]
-        block[0, 0] = anchor_token
-        logits = inner.head.logits(inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0, 1:])
-        top = logits.float().topk(2, dim=-1)  # [B-1, 2]
-        self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
-        return inner.head.to_target(top.indices[:, 0]).tolist()
-
-    def _propose_dspark(self, anchor_token: int, block_size: int) -> list[int]:
-        inner = self.inner
-        drafts = inner.propose(anchor_token, block_size)  # block_size - 1 target ids
-        block = torch.full((1, block_size - 1), inner.mask_token_id, dtype=torch.long)  # [1, N]
-        block[0, 0] = anchor_token
-        hidden = inner.drafter.forward_block(inner.head.embed(block), inner.cache)[0]  # [N, H]
-        markov = inner.drafter.markov_head
-        previous = torch.tensor([anchor_token] + drafts[:-1])  # [N]: the token before each draft
-        logits = inner.head.logits(hidden).float() + markov.bias(markov.embed(previous))  # [N, V_draft]
-        top = logits.topk(2, dim=-1)
-        self.margins.append((top.values[:, 0] - top.values[:, 1]).tolist())
-        return drafts
+        drafts = self.inner.draft(anchor_token, block_size, margins=True)  # the kind's one draft rule
+        self.margins.append(drafts.margins[0].tolist())
+        return drafts.tokens[0].tolist()
 
 
 def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, set[int]]:
@@ -522,7 +505,7 @@ class Serving:
     """How vLLM serves an exported folder: its speculative method, the drafts per step, and
     the model runner it needs on vLLM 0.32."""
 
-    method: str  # "dflash" or "dspark"
+    method: str  # the kind's vLLM method (train/drafters/)
     num_drafts: int
     model_runner: str  # "v1" or "v2"
 
@@ -533,17 +516,15 @@ class Serving:
 
 
 def serving(export: Path) -> Serving:
-    """`export`'s Serving, from its config.json: a DSpark folder (a `markov_rank`) is method
-    "dspark", `block_size` drafts (its anchor drafts too), V2 only; a DFlash folder drafts
-    block_size - 1, on V1, or on V2 when its layers mix sliding-window and full attention
-    (vLLM 0.32 refuses that on V1)."""
+    """`export`'s Serving, from its config.json and its kind (train/drafters/): the kind's vLLM
+    method, the drafts of its block (`block_size` rows), on V1 unless the kind needs V2 or its
+    layers mix sliding-window and full attention (vLLM 0.32 refuses that on V1)."""
     config = json.loads((export / "config.json").read_text())
+    kind = drafters.of_hf(config, str(export / "config.json"))
     block_size = int(config.get("block_size") or config["dflash_config"]["block_size"])
-    if config.get("markov_rank") is not None:
-        return Serving(method="dspark", num_drafts=block_size, model_runner="v2")
-    kinds = set(config.get("layer_types") or [])
-    return Serving(method="dflash", num_drafts=block_size - 1,
-                   model_runner="v2" if {"sliding_attention", "full_attention"} <= kinds else "v1")
+    layers = set(config.get("layer_types") or [])
+    v2 = kind.vllm_runner == "V2" or {"sliding_attention", "full_attention"} <= layers
+    return Serving(method=kind.vllm_method, num_drafts=kind.num_drafts(block_size), model_runner="v2" if v2 else "v1")
 
 
 def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,

@@ -87,7 +87,7 @@ def random_drafter(size: dict, device: torch.device, block_size: int, seed: int)
         hidden_size=size["hidden_size"], intermediate_size=size["intermediate_size"], num_hidden_layers=1,
         num_attention_heads=size["num_attention_heads"], num_key_value_heads=size["num_key_value_heads"],
         head_dim=size["head_dim"], vocab_size=size["vocab_size"], target_layer_ids=default_layer_ids(layers, 3),
-        num_target_layers=layers, block_size=block_size, mask_token_id=size["vocab_size"] - 1)
+        num_target_layers=layers, num_drafts=block_size - 1, mask_token_id=size["vocab_size"] - 1)
     torch.manual_seed(seed)
     return DFlashDrafter(config, attention="dense").to(device).eval()
 

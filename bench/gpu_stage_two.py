@@ -1,7 +1,7 @@
 """Stage two on a GPU, in one call: the two shapes of issue 42 and a bitwise kill-and-resume.
 
 1. small: a 2-layer drafter on an fp8 cache of 5 x 2048 features (V 32,000, top-32; 64
-   sequences of 1,024 tokens, anchors_per_seq 128), `--block-size 16 --tokens-per-step
+   sequences of 1,024 tokens, anchors_per_seq 128), `--num-drafts 15 --tokens-per-step
    8192`, 80 steps, a checkpoint every 25 (1.3 GiB);
 2. qwen3-8b: Qwen3-8B's drafter shape as `bench/train_step.py --sections gpu` (5 layers, H
    4096, V 151,936, 32/8 heads of 128, FFN 12,288, block 16, 16,384 block tokens a step, bf16
@@ -63,18 +63,18 @@ TINY = dict(vocab_size=512, hidden_size=64, num_layers=8, layer_ids=(1, 2, 3, 5,
 # (shape, cache, fit) per section; quick: tiny shapes that run on a CPU in seconds.
 SECTIONS = {
     "small": dict(shape=SMALL, feature_codec="fp8", num_sequences=64, length=1024,
-                  fit=dict(num_layers=2, block_size=16, tokens_per_step=8192, anchors_per_seq=128, max_steps=80,
+                  fit=dict(num_layers=2, num_drafts=15, tokens_per_step=8192, anchors_per_seq=128, max_steps=80,
                            checkpoint_every=25), estimate_s=45),
     "qwen3-8b": dict(shape=SHAPES["gpu"], feature_codec="bf16", num_sequences=16, length=2048,
-                     fit=dict(num_layers=5, block_size=16, tokens_per_step=16384, anchors_per_seq=512,
+                     fit=dict(num_layers=5, num_drafts=15, tokens_per_step=16384, anchors_per_seq=512,
                               max_steps=30, checkpoint_every=15), estimate_s=70),
 }
 QUICK = {
     "small": dict(shape=TINY, feature_codec="fp8", num_sequences=12, length=96,
-                  fit=dict(num_layers=2, block_size=16, tokens_per_step=256, anchors_per_seq=8, max_steps=12,
+                  fit=dict(num_layers=2, num_drafts=15, tokens_per_step=256, anchors_per_seq=8, max_steps=12,
                            checkpoint_every=4), estimate_s=30),
     "qwen3-8b": dict(shape=TINY, feature_codec="bf16", num_sequences=12, length=96,
-                     fit=dict(num_layers=2, block_size=16, tokens_per_step=256, anchors_per_seq=8, max_steps=12,
+                     fit=dict(num_layers=2, num_drafts=15, tokens_per_step=256, anchors_per_seq=8, max_steps=12,
                               checkpoint_every=6), estimate_s=30),
 }
 RESUME_STEPS, RESUME_EVERY, RESUME_KILL_AT = 8, 4, 4  # the kill-and-resume fit: killed after step 4's write

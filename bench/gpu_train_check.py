@@ -70,7 +70,7 @@ def drafter_case(quick: bool, ragged: bool = False):
     T, blocks, n_seq, L = (1024, 64, 4, 5) if not quick else (64, 6, 2, 3)
     config = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=heads,
                   num_key_value_heads=kv, head_dim=hd, vocab_size=1024, target_layer_ids=list(range(1, 2 * L, 2)),
-                  num_target_layers=2 * L + 2, block_size=B, mask_token_id=0, rms_norm_eps=1e-6, rope_theta=1e6,
+                  num_target_layers=2 * L + 2, num_drafts=B - 1, mask_token_id=0, rms_norm_eps=1e-6, rope_theta=1e6,
                   max_position_embeddings=4 * T, initializer_range=0.02)
     gen = torch.Generator().manual_seed(0)
     if ragged:
@@ -203,7 +203,7 @@ def short_fit(checks: Checks, device: torch.device, quick: bool, workdir: Path) 
     cache = workdir / "cache"
     write_synthetic_training_cache(cache, lengths=lengths, zipf=True, seed=0, **size)
     block = 4 if quick else 16
-    common = dict(cache=[str(cache)], num_layers=1 if quick else 2, block_size=block,
+    common = dict(cache=[str(cache)], num_layers=1 if quick else 2, num_drafts=block - 1,
                   anchors_per_seq=8 if quick else 64, tokens_per_step=(64 if quick else 8192), max_steps=steps,
                   lr=1e-3, warmup_ratio=0.0, eval_every=0, eval_fraction=0.05, checkpoint_every=steps,
                   wandb=False, spike_warmup_steps=steps, log_every=max(1, steps // 3))

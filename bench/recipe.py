@@ -46,6 +46,8 @@ from bench.tau import Job, format_table, run_jobs, summarize
 # norm-init rows change one thing against kl; the rows after them change one thing against
 # kl+ce, fit's default since the loss rows chose it (read them with --baseline kl+ce).
 KL_CE = {"loss": "kl+ce"}
+# `block_size` in these rows is fit's deprecated key, the drafter's rows per block as the rows'
+# names count them (the kind converts it to --num-drafts: rows - 1 for dflash, rows for dspark).
 VARIANTS: dict[str, dict] = {
     "kl (top-32 KL)": {},
     "ce (target top-1)": {"loss": "ce"},
@@ -116,7 +118,7 @@ VARIANTS.update({
 
 # The DSpark rows (issue 34): the demo's settings of 2026-12-03 (block 3, 1200 steps of 510 block
 # tokens, kl+ce, a 4,096-token draft vocabulary) on its cache (--cache), and DSpark
-# (`--drafter dspark`, train/dspark.py) at the same budget of block tokens per step. A DSpark
+# (`--drafter dspark`, train/drafters/dspark.py) at the same budget of block tokens per step. A DSpark
 # block of N drafts N tokens (its anchor predicts too): block 2 drafts what DFlash's block 3
 # does, with fewer queries; block 3 costs what DFlash's block 3 costs and drafts one more.
 # Rank 64, not speculators' 256: markov_w1 is [49,152, r] for SmolLM2, and on the demo's ~60k
@@ -175,7 +177,8 @@ def copy_target_layer(target: Path, cache: Path, layer: int, out: Path) -> Path:
 
     if out.exists():
         return out
-    config = DrafterConfig.from_target(cache / TARGET_DIR, num_hidden_layers=1, block_size=DEMO_V2["block_size"])
+    config = DrafterConfig.from_target(cache / TARGET_DIR, num_hidden_layers=1,
+                                       num_drafts=DEMO_V2["block_size"] - 1)
     if layer - 1 not in config.target_layer_ids:
         raise SystemExit(f"copy layer {layer}: its input, layer {layer - 1}'s output, is not among the cache's "
                          f"feature layers {config.target_layer_ids}")

@@ -49,7 +49,7 @@ def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_w
 
     cache = open_cache(cache_dir)
     target_dir = cache.target_dir
-    config = DrafterConfig.from_target(target_dir, num_hidden_layers=1, block_size=block_size)
+    config = DrafterConfig.from_target(target_dir, num_hidden_layers=1, num_drafts=block_size - 1)
     if cache.spec.is_basis:
         import dataclasses
 

@@ -28,7 +28,7 @@ from typing import Any
 # were written, with the loss and norm init of that day spelled out; kept here so that
 # records stay comparable when the demo or fit's defaults change).
 DEMO_FIT: dict[str, Any] = dict(
-    num_layers=1, block_size=8, anchors_per_seq=32, tokens_per_step=512, max_steps=400, lr=1e-3, loss="kl",
+    num_layers=1, num_drafts=7, anchors_per_seq=32, tokens_per_step=512, max_steps=400, lr=1e-3, loss="kl",
     norm_init="ones", eval_fraction=0.1, checkpoint_every=400, eval_every=0, spike_warmup_steps=20, device="cpu",
     dtype="float32", wandb=False, log_every=50)
 METRICS = ("offline_tau", "replay_tau", "online_tau", "online_replay_tau", "speed_ratio")

@@ -50,6 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+from dflash.train import drafters as kinds
 from dflash.train.config import FitConfig
 from dflash.train.data import eligible_anchors
 from dflash.train.fit import fit
@@ -154,7 +155,7 @@ def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int
         write_synthetic_training_cache(cache, lengths=[length] * num_sequences, seed=0, **shape)
     cache_s = time.perf_counter() - t0
     config = FitConfig.from_dict(dict(
-        cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers, block_size=16,
+        cache=[str(cache)], out=str(workdir / f"run-{section}"), num_layers=drafter_layers, num_drafts=15,
         anchors_per_seq=anchors_per_seq, tokens_per_step=tokens_per_step, max_steps=steps,
         checkpoint_every=checkpoint_every, keep_checkpoints=1, eval_every=0, eval_fraction=0.0,
         device="cuda" if section == "gpu" else "cpu", wandb=False, log_every=10**9, spike_warmup_steps=10**9))
@@ -170,7 +171,8 @@ def run(section: str, workdir: Path, steps: int, num_sequences: int, length: int
     return result
 
 
-DEMO_FIT = dict(num_layers=1, block_size=3, anchors_per_seq=32, tokens_per_step=510, lr=1e-3, draft_vocab=4096,
+DEMO_BLOCK_ROWS = 3  # the demo's drafter rows per block, whichever the kind (demo/run.py)
+DEMO_FIT = dict(num_layers=1, anchors_per_seq=32, tokens_per_step=510, lr=1e-3, draft_vocab=4096,
                 dtype="float32", device="cpu")
 DEMO_MARKOV_RANK = 64
 
@@ -194,6 +196,7 @@ def run_demo(workdir: Path, steps: int, drafters: list[str], repeats: int) -> di
                 shutil.rmtree(out, ignore_errors=True)
                 config = FitConfig.from_dict(dict(
                     DEMO_FIT, cache=[str(cache)], out=str(out), drafter=drafter, max_steps=max_steps,
+                    num_drafts=kinds.get(drafter).num_drafts(DEMO_BLOCK_ROWS),
                     **({"markov_rank": DEMO_MARKOV_RANK} if drafter == "dspark" else {}),
                     checkpoint_every=10**9, keep_checkpoints=1, eval_every=0, eval_fraction=0.1, wandb=False,
                     log_every=10**9, spike_warmup_steps=20))
@@ -298,14 +301,15 @@ def mfu(config: FitConfig, cache: Path, step_s: float, metrics: list[dict]) -> d
     from dflash.shards import open_cache
 
     c = open_cache(cache)
-    B = config.model.block_size
-    drafter = DrafterConfig.from_target(c.target_dir, num_hidden_layers=config.model.num_layers, block_size=B)
+    B = config.block_rows
+    drafter = DrafterConfig.from_target(c.target_dir, num_hidden_layers=config.model.num_layers,
+                                        num_drafts=config.model.num_drafts)
     anchors = np.concatenate([eligible_anchors(c.raw(i).loss_mask) for i in range(len(c))])
     mean_anchor = float(anchors.mean())  # visible context per query
     tokens = metrics[-1]["tokens"]
     rows = tokens * (B - 1) / B
     h, v, L = drafter.hidden_size, drafter.vocab_size, drafter.num_target_features
-    per_step = tokens * model_flops_per_token(drafter, mean_anchor)
+    per_step = tokens * model_flops_per_token(drafter, mean_anchor, B)
     per_step += 4.0 * rows * h * v
     context_rows = tokens / B * mean_anchor  # upper bound: one context per block
     context_rows = min(context_rows, metrics[-1]["tokens"] / config.data.anchors_per_seq / B
@@ -321,7 +325,7 @@ PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 def run_smollm2(cache: Path, workdir: Path, steps: int, tokens_per_step: int) -> dict:
     """A short real run on a SmolLM2-135M cache: does the loss fall? First/last metrics lines."""
     config = FitConfig.from_dict(dict(
-        cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, block_size=16, anchors_per_seq=32,
+        cache=[str(cache)], out=str(workdir / "run-smollm2"), num_layers=2, num_drafts=15, anchors_per_seq=32,
         tokens_per_step=tokens_per_step, max_steps=steps, epochs=1000, checkpoint_every=steps,
         keep_checkpoints=1, eval_every=max(1, steps // 4), eval_fraction=0.05, device="cpu", wandb=False,
         log_every=25))

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 # The budget of every fit, over fit's defaults (flat FitConfig keys); --fit adds to it.
-BUDGET: dict[str, Any] = {"max_steps": 200, "tokens_per_step": 512, "lr": 1e-3, "block_size": 8,
+BUDGET: dict[str, Any] = {"max_steps": 200, "tokens_per_step": 512, "lr": 1e-3, "num_drafts": 7,
                           "eval_every": 0, "eval_fraction": 0.1, "wandb": False, "log_every": 1000,
                           "checkpoint_every": 100000, "device": "cpu", "dtype": "float32"}
-TINY_BUDGET: dict[str, Any] = {"max_steps": 12, "tokens_per_step": 96, "block_size": 4, "num_layers": 1}
+TINY_BUDGET: dict[str, Any] = {"max_steps": 12, "tokens_per_step": 96, "num_drafts": 3, "num_layers": 1}
 ROWS = ("source, unchanged", "(a) from scratch", "(b) warm start", "(c) warm start onto basis")
 
 

@@ -5,7 +5,9 @@ Each config field's default and one-line docstring exist once, in its dataclass;
 the field's type and its metadata:
 
 - `Literal[...]` is a choice (click.Choice); `check_choices`, which every config calls in
-  `__post_init__`, refuses a bad one built from Python with the same list;
+  `__post_init__`, refuses a bad one built from Python with the same list; a field whose
+  metadata holds `CHOICES` (a function returning them, read when used: a registry's names)
+  is a choice likewise;
 - `bool` is a switch, `--x/--no-x` (`ONLY_ON`: a plain `--x`);
 - `Path` (or a field with `PATH` metadata: "dir", "file" or "any") is a click.Path;
 - `list[X]` is a repeatable flag (`SEPARATOR`: one flag, items separated by it);
@@ -58,6 +60,8 @@ SEPARATOR = "separator"
 """A list field given as one flag, its items separated by this (`--feature-layers 1,9,17`)."""
 METAVAR = "metavar"
 """The value's placeholder in --help (`A:B`)."""
+CHOICES = "choices"
+"""A function returning the field's choices, called each time they are read (a registry's names)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,10 @@ def _base(kind: Any) -> Any:
 
 
 def choices(info: FieldInfo) -> tuple[str, ...] | None:
-    """The choices of a `Literal[...]` field (or `Literal[...] | None`), else None."""
+    """The choices of a `Literal[...]` field (or `Literal[...] | None`), or of a field with
+    `CHOICES` metadata, else None."""
+    if info.metadata.get(CHOICES) is not None:
+        return tuple(info.metadata[CHOICES]())
     kind = _base(info.type)
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
 
@@ -218,6 +225,19 @@ class JsonObject(click.ParamType):
         return parsed
 
 
+class RegistryChoice(click.Choice):
+    """click.Choice over `names()`, read each time the choices are (a kind registered after
+    the command was built is one)."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]) -> None:
+        self.names = names
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.names())
+
+
 def help_text(info: FieldInfo) -> str:
     """The field's docstring with its default in brackets (none shown for a None default
     without a none word)."""
@@ -241,6 +261,8 @@ def _click_type(info: FieldInfo, kind: Any) -> Any:
     if path is not None:
         assert path in ("dir", "file", "any"), f"{info.name}: {PATH} must be dir, file or any, got {path!r}"
         return click.Path(file_okay=path != "dir", dir_okay=path != "file", exists=bool(info.metadata.get(EXISTS)))
+    if info.metadata.get(CHOICES) is not None:
+        return RegistryChoice(info.metadata[CHOICES])
     if typing.get_origin(kind) is Literal:
         return click.Choice(typing.get_args(kind))
     if kind is dict or typing.get_origin(kind) is dict:
@@ -305,7 +327,7 @@ def given(options: Mapping[str, Any]) -> dict[str, Any]:
             for name, value in options.items() if value is not None and value != ()}
 
 
-__all__ = ["ARGUMENT", "EXISTS", "FLAG", "FieldInfo", "JsonObject", "METAVAR", "NONE_WORD", "ONLY_ON", "OrNone",
-           "PATH", "RESUMABLE", "SEPARATOR", "Separated", "apply", "apply_none_words", "check_choices", "choices",
-           "config_options", "describe", "field_docs", "field_info", "flags", "given", "help_text", "option",
-           "resumable"]
+__all__ = ["ARGUMENT", "CHOICES", "EXISTS", "FLAG", "FieldInfo", "JsonObject", "METAVAR", "NONE_WORD", "ONLY_ON",
+           "OrNone", "PATH", "RESUMABLE", "RegistryChoice", "SEPARATOR", "Separated", "apply", "apply_none_words",
+           "check_choices", "choices", "config_options", "describe", "field_docs", "field_info", "flags", "given",
+           "help_text", "option", "resumable"]

@@ -12,7 +12,7 @@ trained drafter offline and online (real speculative decoding against the target
 prompts, the finished cache, the finished run.
 
 The sizes are chosen for 2 CPU cores and a first run under 10 minutes, not for quality: one
-drafter layer, a Markov head of rank 64, block size 3, 384 one-exchange conversations whose
+drafter layer, a Markov head of rank 64, 3 drafts per verify, 384 one-exchange conversations whose
 replies the target regenerates greedily, 900 steps, and a draft vocabulary of the 4,096 most
 frequent reply tokens (scoring the whole 49,152-row head was most of a training step and of a
 draft). Twice the conversations and 1,200 steps (`--num-conversations 768 --max-steps 1200`)
@@ -38,10 +38,11 @@ import click
 from bench.engine_venv import ensure_engine_venv
 from demo import default_work_dir
 from dflash.common.commands import DflashCommand
-from dflash.common.options import ONLY_ON, PATH, check_choices, config_options, given
+from dflash.common.options import NONE_WORD, ONLY_ON, PATH, check_choices, config_options, given
 from dflash.common.records import iter_records
 from dflash.shards.spec import BASIS_CODECS, FeatureCodec
 from dflash.testing.prepare import chitchat_records, prepare_smollm2
+from dflash.train import drafters
 
 
 @dataclass(kw_only=True)
@@ -75,11 +76,12 @@ class DemoConfig:
     markov_rank: int = 64
     """dspark: `fit --markov-rank` (64, not fit's 256: markov_w1 has a row per vocabulary token,
     and the demo trains only briefly)."""
-    block_size: int = 3
-    """Draft block size: a DFlash block is the anchor and block_size - 1 drafts per verify; a DSpark
-    block drafts block_size (each position predicts the next token). Small, not fit's 16: a
-    drafter this small and this briefly trained rarely has more than 2 drafts accepted, and on a
-    CPU a verify costs more for every token it checks, so checking fewer drafts is faster."""
+    num_drafts: int | None = field(default=None, metadata={NONE_WORD: "auto"})
+    """`fit --num-drafts`, drafts per verify; auto: a block of 3 drafter rows, whichever the kind
+    (3 drafts for dspark, whose anchor row drafts too; 2 for dflash), so kinds compare at the same
+    block tokens per step. Small, not fit's 15: a drafter this small and this briefly trained
+    rarely has more than 2 drafts accepted, and on a CPU a verify costs more for every token it
+    checks, so checking fewer drafts is faster."""
     anchors_per_seq: int = 32
     """Blocks drawn per sequence per epoch."""
     tokens_per_step: int = 510
@@ -180,11 +182,19 @@ def precompute_command(config: DemoConfig, *, target: Path, data: Path, out: Pat
     ]
 
 
+BLOCK_ROWS = 3  # drafter rows per block of the demo's drafter, whichever the kind (`num_drafts` auto)
+
+
+def drafts(config: DemoConfig) -> int:
+    """The demo drafter's drafts per verify: `num_drafts`, or its kind's for BLOCK_ROWS rows."""
+    return drafters.get(config.drafter).num_drafts(BLOCK_ROWS) if config.num_drafts is None else config.num_drafts
+
+
 def fit_command(config: DemoConfig, *, caches: list[Path], run_dir: Path) -> list[str]:
     """`dflash-train fit` of the demo's drafter on `caches` into `run_dir`."""
     return [
         bin_path("dflash-train"), "fit", *[arg for c in caches for arg in ("--cache", str(c))], "--out", str(run_dir),
-        "--num-layers", str(config.num_layers), "--block-size", str(config.block_size), "--drafter", config.drafter,
+        "--num-layers", str(config.num_layers), "--num-drafts", str(drafts(config)), "--drafter", config.drafter,
         *(["--markov-rank", str(config.markov_rank)] if config.drafter == "dspark" else []),
         "--anchors-per-seq", str(config.anchors_per_seq), "--tokens-per-step", str(config.tokens_per_step),
         "--max-steps", str(config.max_steps), "--lr", str(config.lr), "--eval-fraction", str(config.eval_fraction),
@@ -302,9 +312,8 @@ def run_demo(config: DemoConfig) -> None:
     print(f"  training     {steps[-1]['step']} steps in {train_s:,.0f} s; loss {steps[0]['loss']:.3f} -> "
           f"{steps[-1]['loss']:.3f}")
     print(f"  tau offline  before training {before['acceptance_length']:.3f}, after {after['acceptance_length']:.3f} "
-          f"({after['num_anchors']:,} held-out anchors, {config.drafter} block {config.block_size}: "
-          f"{after['block_size'] - 1} drafts per verify)")  # eval's block_size is the verify's
-    print(f"  tau online   {online['acceptance_length']:.3f} at block {config.block_size} over "
+          f"({after['num_anchors']:,} held-out anchors, {config.drafter}: {after['num_drafts']} drafts per verify)")
+    print(f"  tau online   {online['acceptance_length']:.3f} at {after['num_drafts']} drafts per verify over "
           f"{online['num_prompts']} held-out prompts (replayed from the cache on the same prompts "
           f"{paired['replay_acceptance_length']:.3f}); lossless: {'yes' if online['lossless'] else 'NO'}")
     print(f"  speed        {online['tokens_per_s']:.1f} tok/s speculative vs {online['baseline_tokens_per_s']:.1f} "

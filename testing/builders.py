@@ -61,7 +61,7 @@ VOCAB_SIZE = 320
 
 # A small synthetic training cache and the tiny fit the training tests run on it.
 FIT_LENGTHS = [40, 56, 33, 71, 48, 64, 29, 52, 45, 60, 38, 66, 50, 35, 58, 44]
-TINY_FIT = dict(num_layers=1, block_size=4, tokens_per_step=96, eval_every=0, eval_fraction=0.1, wandb=False,
+TINY_FIT = dict(num_layers=1, num_drafts=3, tokens_per_step=96, eval_every=0, eval_fraction=0.1, wandb=False,
                 spike_warmup_steps=2, log_every=1)
 
 
@@ -385,13 +385,14 @@ def vllm_target(path: Path, arch: str = "llama") -> Path:
 # --------------------------------------------------------------------------- drafters
 
 
-def drafter_config(**fields):
-    """A DrafterConfig with the tests' tiny dimensions (hidden 32, intermediate 48, 4 heads of
-    8, 2 KV heads); `fields` gives the rest (vocabulary, layers, target layers, block...)."""
-    from dflash.train.model import DrafterConfig
+def drafter_config(kind: str | None = None, **fields):
+    """A drafter config of `kind` (train/drafters/; None: the default kind) with the tests' tiny
+    dimensions (hidden 32, intermediate 48, 4 heads of 8, 2 KV heads); `fields` gives the rest
+    (vocabulary, layers, target layers, block, the kind's own fields...)."""
+    from dflash.train import drafters
 
     dims = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return DrafterConfig(**{**dims, **fields})
+    return drafters.get(kind or drafters.DEFAULT).config_class(**{**dims, **fields})
 
 
 # --------------------------------------------------------------------------- loss kernels

@@ -46,8 +46,9 @@ COMMANDS: dict[str, tuple[click.Command, list[str], click.Command, type, set[str
     "python -m demo.out_of_domain": (demo.out_of_domain.main, [], demo.out_of_domain.main,
                                      demo.out_of_domain.OutOfDomainConfig, set()),
 }
-# Parameters that are no config field: the output switch, fit's TOML file, the shared ones.
-NOT_FIELDS = {"as_json", "config_file", "debug", "version", "help"}
+# Parameters that are no config field: the output switch, fit's TOML file and its deprecated
+# --block-size (read as --num-drafts), the shared ones.
+NOT_FIELDS = {"as_json", "config_file", "block_size", "debug", "version", "help"}
 # Required fields of the configs whose choices are checked from Python.
 REQUIRED = {PrecomputeConfig: {"target": "t", "data": ["d"], "out": "o"}, ExportConfig: {"run": "r", "out": "o"},
             FitConfig: {"cache": ["c"], "out": "o"}}

@@ -78,7 +78,7 @@ def test_every_command_takes_the_demo_device_and_stays_float32(monkeypatch, tmp_
     assert "--regenerate" not in human and _flag(human, "--feature-basis") == str(cache)
     assert (_flag(online, "--target"), _flag(online, "--prompts")) == (str(target), str(data))
     assert _flag(online, "--limit") == str(config.online_prompts)
-    assert _flag(fit, "--drafter") == config.drafter and _flag(fit, "--block-size") == str(config.block_size)
+    assert _flag(fit, "--drafter") == config.drafter and _flag(fit, "--num-drafts") == "3"  # dspark's block of 3 rows
 
 
 def test_the_demo_refuses_an_unknown_device(monkeypatch):

@@ -15,12 +15,14 @@ from safetensors.torch import load_file
 from dflash.shards import open_cache
 from dflash.testing.builders import tiny_fit_config
 from dflash.train import draft_vocab
-from dflash.train.acceptance import greedy_tokens, sequence_acceptance, target_top1
+from dflash.train.acceptance import sequence_acceptance, target_top1
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.config import LossConfig
 from dflash.train.data import held_out_mask
+from dflash.train.drafters import LossOperands
+from dflash.train.drafters.base import greedy_tokens
 from dflash.train.export import export_run
-from dflash.train.fit import _loss, fit
+from dflash.train.fit import _distill, _teacher, fit
 from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
@@ -70,6 +72,11 @@ def test_remap_matches_a_row_by_row_reference():
             assert ce[n] == inside[best]
 
 
+def distill(hidden, head, batch, config):
+    """fit's loss of plain rows through `head` (no kind's operands)."""
+    return _distill(LossOperands(rows=hidden, head=head), _teacher(batch, head), config)
+
+
 @pytest.mark.parametrize("kind", ["kl", "ce", "kl+ce"])
 def test_draft_vocab_loss_matches_a_materialised_reference(kind):
     generator = torch.Generator().manual_seed(1)
@@ -80,7 +87,7 @@ def test_draft_vocab_loss_matches_a_materialised_reference(kind):
     topk = torch.stack([torch.randperm(V, generator=generator)[:k] for _ in range(N)])
     q = torch.softmax(torch.randn(N, k + 1, generator=generator, dtype=torch.float64), -1)[:, :k]
     batch = SimpleNamespace(topk_ids=topk, topk_logprobs=q.log().float(), weights=torch.rand(N, generator=generator))
-    loss, argmax = _loss(hidden, head, batch, LossConfig(loss=kind, ce_weight=0.5))
+    loss, argmax = distill(hidden, head, batch, LossConfig(loss=kind, ce_weight=0.5))
 
     logp = torch.log_softmax(hidden @ head.lm_head.T, -1)  # [N, V_d] float64 over the draft rows
     rows, _, _, _ = draft_vocab.remap_teacher(topk, batch.topk_logprobs, head)
@@ -112,7 +119,7 @@ def test_a_vocabulary_of_every_token_is_the_whole_head():
     q = torch.softmax(torch.randn(N, k + 1, generator=generator), -1)[:, :k]
     batch = SimpleNamespace(topk_ids=topk, topk_logprobs=q.log(), weights=torch.rand(N, generator=generator))
     config = LossConfig(loss="kl+ce", ce_weight=0.5)
-    (a, argmax_a), (b, argmax_b) = _loss(hidden, head, batch, config), _loss(hidden, whole, batch, config)
+    (a, argmax_a), (b, argmax_b) = distill(hidden, head, batch, config), distill(hidden, whole, batch, config)
     torch.testing.assert_close(a, b)
     assert torch.equal(argmax_a, argmax_b)
 
@@ -158,7 +165,7 @@ def test_offline_drafts_are_the_best_in_vocabulary_tokens(cache_dir, run):
     head = TargetHead.load(cache.target_dir, dtype=torch.float32)
     seq = cache[0]
     got = sequence_acceptance(drafter, head, seq.input_ids, seq.loss_mask, seq.features,
-                              target_top1(seq.topk_ids, seq.topk_logprobs), block_size=drafter.config.block_size)
+                              target_top1(seq.topk_ids, seq.topk_logprobs), block_size=drafter.config.num_drafts + 1)
     ids = drafter.draft_ids
     assert set(np.unique(got.drafts).tolist()) <= set(ids.tolist())
     # the same drafts from the whole head with every other token's logit at -inf

@@ -20,7 +20,7 @@ MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
 
 def make_config(**overrides) -> DrafterConfig:
     values = dict(num_hidden_layers=3, vocab_size=50, target_layer_ids=[1, 4, 7], num_target_layers=10,
-                  block_size=4, mask_token_id=48, rope_theta=50_000.0)
+                  num_drafts=3, mask_token_id=48, rope_theta=50_000.0)
     values.update(overrides)
     return drafter_config(**values)
 
@@ -80,7 +80,10 @@ def test_a_full_export_is_written_as_before():
 
 
 def test_the_model_card_states_the_layout():
-    from dflash.train.export import _attention_sentence, _serving_lines
+    from dflash.train import drafters
+    from dflash.train.export import _attention_sentence
+
+    _serving_lines = drafters.get(drafters.DEFAULT).serving_lines
 
     assert _attention_sentence(make_config()) == ""
     assert _attention_sentence(make_config(layer_types=MIXED, sliding_window=6)) == (

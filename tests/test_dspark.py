@@ -1,4 +1,4 @@
-"""DSpark (train/dspark.py): the export vLLM's qwen3_dspark loader reads, the Markov bias in the
+"""DSpark (train/drafters/dspark.py): the export vLLM's qwen3_dspark loader reads, the Markov bias in the
 fused loss against a dense reference, and the sequential drafting rule."""
 
 import json
@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from dflash.kernels.loss import sparse_kl_loss
 from dflash.testing.builders import drafter_config
-from dflash.train.dspark import DSparkDrafter, confidence_loss, loss_operands, make_drafter, sequential_drafts
+from dflash.train.drafters import make as make_drafter
+from dflash.train.drafters.dspark import DSparkDrafter, confidence_loss, loss_operands, sequential_drafts
 from dflash.train.export import hf_config, vllm_tensors, write_export
 from dflash.train.loading import drafter_config_from_hf, load_exported
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
@@ -24,8 +25,8 @@ H, V, R = 32, 50, 6  # H: dflash.testing.builders.drafter_config's hidden size
 
 def make_dspark(confidence: bool = True, draft_vocab: int | None = None, seed: int = 0) -> DSparkDrafter:
     torch.manual_seed(seed)
-    config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=[1, 3], num_target_layers=5,
-                            block_size=4, mask_token_id=V - 1, markov_rank=R, confidence_head=confidence,
+    config = drafter_config("dspark", num_hidden_layers=2, vocab_size=V, target_layer_ids=[1, 3], num_target_layers=5,
+                            num_drafts=4, mask_token_id=V - 1, markov_rank=R, confidence_head=confidence,
                             draft_vocab_size=draft_vocab)
     model = make_drafter(config, attention="dense")
     if draft_vocab is not None:
@@ -40,7 +41,7 @@ def test_make_drafter_picks_the_class():
     config = drafter_config(num_hidden_layers=1, vocab_size=V, target_layer_ids=[1], num_target_layers=3,
                             mask_token_id=0)
     assert type(make_drafter(config)) is DFlashDrafter
-    assert "markov_rank" not in config.to_dict()  # a DFlash run's drafter_config.json is unchanged
+    assert "markov_rank" not in config.to_dict() and "kind" not in config.to_dict()  # as before kinds had names
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 spike gating, `--init-from` a DFlash drafter; `eval` offline drafts as online decoding does;
 online decoding with a DSpark drafter is lossless (greedy and sampled)."""
 
-import dataclasses
 import signal
 from pathlib import Path
 
@@ -13,9 +12,11 @@ from safetensors.torch import load_file
 
 from dflash.shards import open_cache
 from dflash.testing.builders import drafter_config, fit_cache, tiny_causal_lm
+from dflash.train import drafters
 from dflash.train.acceptance import sequence_acceptance, target_top1
 from dflash.train.checkpoint import latest_checkpoint, list_checkpoints
-from dflash.train.dspark import DSparkDrafter, make_drafter
+from dflash.train.drafters import make as make_drafter
+from dflash.train.drafters.dspark import DSparkDrafter
 from dflash.train.export import write_export
 from dflash.train.fit import fit
 from dflash.train.loading import load_drafter
@@ -26,7 +27,7 @@ from tests.test_train_fit import DRIVER, assert_same_checkpoint, poison_steps, r
 
 pytestmark = pytest.mark.e2e
 
-DSPARK = dict(drafter="dspark", markov_rank=8, confidence_head=True)
+DSPARK = dict(drafter="dspark", num_drafts=4, markov_rank=8, confidence_head=True)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_a_spiking_batch_is_skipped(cache_dir, tmp_path, monkeypatch):
 
 def test_init_from_a_dflash_drafter_warm_starts_the_backbone(cache_dir, tmp_path):
     torch.manual_seed(3)
-    source = DFlashDrafter(DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=1, block_size=8))
+    source = DFlashDrafter(DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=1, num_drafts=7))
     folder = write_export(source, tmp_path / "source", dtype=torch.float32)
     values = dict(max_steps=1, checkpoint_every=100, save_initial=True, num_layers=None, **DSPARK)
     fit(tiny_config(cache_dir, tmp_path / "warm", init_from=str(folder), **values))
@@ -107,7 +108,7 @@ def test_offline_drafts_are_what_online_decoding_drafts(straight_run, cache_dir)
     cache = open_cache(cache_dir)
     head = TargetHead.load(cache.target_dir)
     seq = cache[0]
-    B = drafter.config.block_size
+    B = drafter.config.num_drafts
     scored = sequence_acceptance(drafter, head, seq.input_ids, seq.loss_mask, seq.features,
                                  target_top1(seq.topk_ids, seq.topk_logprobs), block_size=B + 1)
     assert scored.drafts.shape[1] == B
@@ -132,8 +133,9 @@ def target():
 
 def dspark_proposer(target, block_size: int, repeats: bool) -> DrafterProposer:
     torch.manual_seed(1)
-    config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS, num_target_layers=6,
-                            block_size=block_size, mask_token_id=V - 1, initializer_range=0.2, markov_rank=V)
+    config = drafter_config("dspark", num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
+                            num_target_layers=6,
+                            num_drafts=block_size, mask_token_id=V - 1, initializer_range=0.2, markov_rank=V)
     drafter = make_drafter(config, attention="dense")
     if repeats:  # a Markov bias that drafts the previous token again, far above the backbone's logits
         with torch.no_grad():
@@ -170,7 +172,10 @@ def test_dspark_sampled_decoding_runs_with_match_sampler(target):
 
 
 def test_a_dspark_config_round_trips_through_the_run_file():
-    config = drafter_config(num_hidden_layers=1, vocab_size=V, target_layer_ids=[1], num_target_layers=3,
+    config = drafter_config("dspark", num_hidden_layers=1, vocab_size=V, target_layer_ids=[1], num_target_layers=3,
                             mask_token_id=0, markov_rank=4, confidence_head=True)
-    assert DrafterConfig.from_dict(config.to_dict()) == config
-    assert dataclasses.replace(config, markov_rank=None, confidence_head=False).num_drafts == config.num_drafts - 1
+    assert drafters.config_from_dict(config.to_dict()) == config
+    legacy = {name: value for name, value in config.to_dict().items() if name != "kind"}  # written before kinds
+    assert drafters.config_from_dict(legacy) == config
+    assert drafters.of_config(config).block_rows(config.num_drafts) == config.num_drafts  # the anchor drafts too
+    assert drafters.get("dflash").block_rows(config.num_drafts) == config.num_drafts + 1

@@ -190,7 +190,7 @@ def test_offline_drafts_equal_the_inference_path(seed, block_size, layout):
     (context cache of the features before the anchor, then one block), sliding layers too."""
     H, L, T = 16, 2, 23
     config = drafter_config(hidden_size=H, intermediate_size=32, head_dim=4, num_hidden_layers=2, vocab_size=V,
-                            target_layer_ids=[0, 1], num_target_layers=3, block_size=block_size,
+                            target_layer_ids=[0, 1], num_target_layers=3, num_drafts=block_size - 1,
                             mask_token_id=V - 1, initializer_range=0.5, **layout)
     drafter = DFlashDrafter(config, attention="dense").eval()
     head = TargetHead(embed_tokens=torch.randn(V, H), lm_head=torch.randn(V, H) * 3)

@@ -73,11 +73,11 @@ def test_other_cache_is_scored_whole_and_block_size_can_shrink(synthetic_run, tm
     _, run = synthetic_run
     write_synthetic_training_cache(tmp_path / "other", lengths=[30, 31, 32], seed=5)
     result = CliRunner().invoke(main, ["eval", "--run", str(run), "--cache", str(tmp_path / "other"),
-                                       "--block-size", "3", "--no-save", "--json"])
+                                       "--num-drafts", "2", "--no-save", "--json"])
     assert result.exit_code == 0, result.output
     figures = last_json(result.output)
     assert figures["num_sequences"] == 3
-    assert figures["block_size"] == 3 and len(figures["per_position_acceptance"]) == 2
+    assert (figures["num_drafts"], figures["verify_size"]) == (2, 3) and len(figures["per_position_acceptance"]) == 2
 
 
 def test_export_cli_carries_the_measured_tau(synthetic_run, tmp_path):
@@ -231,12 +231,12 @@ def test_online_eval_refuses_a_cache_with_suites(chat_setup):
     assert result.exit_code == 1 and result.output.startswith("Error: ") and "drop --cache" in result.output
 
 
-@pytest.mark.parametrize("block_size", ["2", "16"])
-def test_online_eval_without_cache_uses_every_prompt(chat_setup, block_size):
+@pytest.mark.parametrize("num_drafts", ["1", "15"])
+def test_online_eval_without_cache_uses_every_prompt(chat_setup, num_drafts):
     root, prompts, run = chat_setup
     result = CliRunner().invoke(main, [
         "eval", "--online", "--run", str(run), "--target", str(root / "target"), "--prompts", str(prompts),
-        "--max-new-tokens", "13", "--block-size", block_size, "--limit", "3", "--no-save", "--json"])
+        "--max-new-tokens", "13", "--num-drafts", num_drafts, "--limit", "3", "--no-save", "--json"])
     assert result.exit_code == 0, result.output
     figures = last_json(result.output)
     assert "acceptance_length" not in figures

@@ -38,7 +38,7 @@ def target():
 def untrained_proposer(target, block_size: int) -> DrafterProposer:
     torch.manual_seed(1)
     config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
-                            num_target_layers=NUM_LAYERS, block_size=block_size, mask_token_id=V - 1,
+                            num_target_layers=NUM_LAYERS, num_drafts=block_size - 1, mask_token_id=V - 1,
                             initializer_range=0.2)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())

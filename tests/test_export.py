@@ -21,7 +21,7 @@ H, V, LAYERS = 32, 50, 3  # H: the hidden size of dflash.testing.builders.drafte
 def make_config(**overrides) -> DrafterConfig:
     """Every field away from its default, so that a field lost on the way shows."""
     values = dict(num_hidden_layers=LAYERS, vocab_size=V, target_layer_ids=[1, 4, 7], num_target_layers=10,
-                  block_size=8, mask_token_id=V - 2, rms_norm_eps=1e-5, rope_theta=50_000.0,
+                  num_drafts=7, mask_token_id=V - 2, rms_norm_eps=1e-5, rope_theta=50_000.0,
                   max_position_embeddings=2048, initializer_range=0.3)
     values.update(overrides)
     return drafter_config(**values)
@@ -56,12 +56,12 @@ def block_logits(model: DFlashDrafter, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     cache = DrafterContextCache()
     model.append_context(cache, torch.randn(1, 11, 3 * H, generator=g))
-    return model.forward_block(torch.randn(1, model.config.block_size, H, generator=g), cache)
+    return model.forward_block(torch.randn(1, model.config.num_drafts + 1, H, generator=g), cache)
 
 
 def train_forward(model: DFlashDrafter, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    B = model.config.block_size
+    B = model.config.num_drafts + 1
     layout = BlockLayout.build([(20, np.array([3, 9, 17]))], B)
     with torch.no_grad():
         return model(torch.randn(3 * B, H, generator=g), torch.randn(20, 3 * H, generator=g), layout)
@@ -98,7 +98,7 @@ def test_transformers_reads_the_config_as_qwen3(drafter, tmp_path):
     assert (config.hidden_size, config.head_dim, config.num_key_value_heads) == (H, 8, 2)
     assert config.rope_parameters["rope_theta"] == 50_000.0
     assert config.dflash_config["target_layer_ids"] == [1, 4, 7]
-    assert config.block_size == 8
+    assert config.block_size == 8  # the drafter rows of a block of 7 drafts
 
 
 def test_weights_carry_zlab_names_and_no_embedding(drafter, tmp_path):
@@ -156,7 +156,7 @@ def test_zlab_style_config_is_read(tmp_path):
             "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
             "vocab_size": 151936, "max_position_embeddings": 40960}
     config = drafter_config_from_hf(data, "config.json")
-    assert (config.block_size, config.mask_token_id, config.rope_theta) == (16, 151669, 1e6)
+    assert (config.num_drafts, config.mask_token_id, config.rope_theta) == (15, 151669, 1e6)
     assert config.target_layer_ids == [1, 9, 17, 25, 33]
     assert drafter_config_from_hf(hf_config(config, dtype="bfloat16"), "x") == config
 

@@ -31,7 +31,7 @@ SGLANG_KEYS = ["block_size", "num_target_layers", "hidden_act", "dflash_config.t
 def make_drafter(num_layers: int = 2, block_size: int = 8) -> DFlashDrafter:
     torch.manual_seed(0)
     config = drafter_config(num_hidden_layers=num_layers, vocab_size=50, target_layer_ids=[1, 4, 7],
-                            num_target_layers=10, block_size=block_size, mask_token_id=47, rope_theta=50_000.0)
+                            num_target_layers=10, num_drafts=block_size - 1, mask_token_id=47, rope_theta=50_000.0)
     return DFlashDrafter(config, attention="dense").eval()
 
 
@@ -118,7 +118,8 @@ def test_the_card_says_how_to_serve_with_each_engine(tmp_path):
     card = model_card(LoadedDrafter(drafter, tmp_path, 7, {}), evaluation=None)
     assert ("python -m vllm.entrypoints.openai.api_server --model /path/to/TARGET --speculative-config"
             in card and '"method": "dflash"' in card)
-    assert '"num_speculative_tokens": 15' in card and "`num_speculative_tokens` 15 (B - 1)" in card
+    assert '"num_speculative_tokens": 15' in card
+    assert "15 drafts per verify of 16 tokens: pass `num_speculative_tokens` 15" in card
     assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 16" in card
     assert "--dtype float32" in card and "plain draft model" in card and "DFlashDraftModel" in card
 

@@ -124,7 +124,7 @@ def test_mixing_bases_is_refused(tmp_path):
 def drafter_config(**extra) -> DrafterConfig:
     return builders.drafter_config(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
-                                   target_layer_ids=LAYERS, num_target_layers=4, block_size=4, mask_token_id=0,
+                                   target_layer_ids=LAYERS, num_target_layers=4, num_drafts=3, mask_token_id=0,
                                    **extra)
 
 

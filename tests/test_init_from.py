@@ -49,7 +49,7 @@ def basis_cache(root: Path, rank: int) -> Path:
 
 def source_config(cache_dir: Path, **overrides) -> DrafterConfig:
     """A drafter for the cache's target, away from the run's defaults where the weights allow."""
-    base = DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=2, block_size=8)
+    base = DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=2, num_drafts=7)
     return dataclasses.replace(base, **{"rope_theta": 50_000.0, "rms_norm_eps": 1e-5, **overrides})
 
 
@@ -71,7 +71,7 @@ def source(cache_dir, tmp_path_factory) -> Path:
 
 def warm(cache: Path, out: Path, init_from: Path | None, **overrides):
     """A one-step tiny fit that also checkpoints step 0 (the warm-started weights)."""
-    values = dict(max_steps=1, checkpoint_every=100, save_initial=True, block_size=RUN_BLOCK, num_layers=None)
+    values = dict(max_steps=1, checkpoint_every=100, save_initial=True, num_drafts=RUN_BLOCK - 1, num_layers=None)
     if init_from is not None:
         values["init_from"] = str(init_from)
     return fit(tiny_fit_config(cache, out, **{**values, **overrides}))
@@ -98,14 +98,14 @@ def test_step0_of_a_warm_start_is_the_source_and_scores_exactly_as_it(cache_dir,
     state, expected = start.state_dict(), exported.state_dict()
     assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
     c = start.config
-    assert (c.num_hidden_layers, c.rope_theta, c.rms_norm_eps, c.mask_token_id, c.block_size) == (
+    assert (c.num_hidden_layers, c.rope_theta, c.rms_norm_eps, c.mask_token_id, c.num_drafts + 1) == (
         2, 50_000.0, 1e-5, exported.config.mask_token_id, RUN_BLOCK)
     ours, theirs = offline(start, cache_dir), offline(exported, cache_dir)
     assert ours == theirs and ours["num_anchors"] > 100 and sum(ours["per_position_match"]) > 0
     record = read_run_info(run)["init_from"]
     assert record["path"] == str(source) and record["kind"] == "export"
     assert record["weights_sha256"] == file_sha256(source / "model.safetensors")
-    assert record["config"]["num_hidden_layers"] == 2 and record["config"]["block_size"] == 8
+    assert record["config"]["num_hidden_layers"] == 2 and record["config"]["num_drafts"] == 7
     saved = json.loads((run / "config.json").read_text())
     assert saved["init_from"] == str(source) and saved["num_layers"] == 2
     card = (export_run(run, tmp_path / "export") / "README.md").read_text()

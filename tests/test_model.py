@@ -14,7 +14,7 @@ H = 32  # the hidden size of dflash.testing.builders.drafter_config
 
 def tiny_config(**overrides) -> DrafterConfig:
     fields = dict(num_hidden_layers=2, vocab_size=50, target_layer_ids=[0, 2, 4], num_target_layers=6,
-                  block_size=B, mask_token_id=49, rope_theta=10000.0)
+                  num_drafts=B - 1, mask_token_id=49, rope_theta=10000.0)
     fields.update(overrides)
     return drafter_config(**fields)
 
@@ -209,7 +209,7 @@ def test_backward_reaches_every_parameter(drafter, batch):
 @pytest.mark.parametrize("field,value,message", [
     ("num_key_value_heads", 3, "multiple"),
     ("mask_token_id", 50, "not a row"),
-    ("block_size", 1, "block_size"),
+    ("num_drafts", 0, "num_drafts"),
     ("target_layer_ids", [], "empty"),
 ])
 def test_config_rejects_bad_values(field, value, message):

@@ -33,7 +33,7 @@ def reference_style_generate(target, drafter: DFlashDrafter, head: TargetHead, p
     """(generated tokens up to and including the first stop token, committed tokens per verify)."""
     from transformers import DynamicCache
 
-    mask_id, B = drafter.config.mask_token_id, drafter.config.block_size
+    mask_id, B = drafter.config.mask_token_id, drafter.config.num_drafts + 1
     n0 = len(prompt)
     max_length = n0 + max_new_tokens
     output = torch.full((1, max_length + B), mask_id, dtype=torch.long)  # [1, max_length + B]
@@ -102,7 +102,7 @@ def stop_token_for(target, prompt: list[int]) -> int:
 def exported_drafter(tmp_path, mask_token_id: int) -> DFlashDrafter:
     torch.manual_seed(2)
     config = drafter_config(num_hidden_layers=1, vocab_size=V, target_layer_ids=LAYER_IDS,
-                            num_target_layers=NUM_LAYERS, block_size=BLOCK, mask_token_id=mask_token_id,
+                            num_target_layers=NUM_LAYERS, num_drafts=BLOCK - 1, mask_token_id=mask_token_id,
                             initializer_range=0.2)
     out = write_export(DFlashDrafter(config, attention="dense"), tmp_path / f"draft-{mask_token_id}",
                        dtype=torch.float32)

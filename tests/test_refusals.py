@@ -21,7 +21,7 @@ from dflash.train.config import FitConfig, load_toml, resolve
 from dflash.train.identity import caches_fingerprint, check_same_target
 from dflash.train.runlock import RunLock, check_out_folder
 
-FIT = ["--num-layers", "1", "--block-size", "4", "--anchors-per-seq", "6", "--epochs", "1",
+FIT = ["--num-layers", "1", "--num-drafts", "3", "--anchors-per-seq", "6", "--epochs", "1",
        "--max-steps", "2", "--tokens-per-step", "96", "--eval-every", "0", "--no-wandb"]
 
 

@@ -306,7 +306,7 @@ def test_regenerated_records_build_a_cache_that_trains_and_evaluates(target, ser
 
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(train_main, [
-        "fit", "--cache", str(cache_dir), "--out", str(run_dir), "--num-layers", "1", "--block-size", "4",
+        "fit", "--cache", str(cache_dir), "--out", str(run_dir), "--num-layers", "1", "--num-drafts", "3",
         "--anchors-per-seq", "8", "--epochs", "1", "--max-steps", "3", "--tokens-per-step", "96",
         "--checkpoint-every", "3", "--eval-every", "0", "--eval-fraction", "0.4", "--device", "cpu",
         "--no-wandb"])

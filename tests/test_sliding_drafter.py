@@ -23,7 +23,7 @@ MIXED = ["sliding_attention", "sliding_attention", "full_attention"]
 
 def config(**overrides) -> DrafterConfig:
     fields = dict(num_hidden_layers=3, vocab_size=50, target_layer_ids=[0, 2, 4], num_target_layers=6,
-                  block_size=B, mask_token_id=49, rope_theta=10000.0)
+                  num_drafts=B - 1, mask_token_id=49, rope_theta=10000.0)
     fields.update(overrides)
     return drafter_config(**fields)
 
@@ -232,7 +232,7 @@ def test_speculative_decoding_with_a_sliding_drafter_is_lossless_past_its_window
     V = target.get_input_embeddings().weight.shape[0]
     torch.manual_seed(1)
     cfg = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=[1, 3], num_target_layers=6,
-                         block_size=block_size, mask_token_id=V - 1, initializer_range=0.2,
+                         num_drafts=block_size - 1, mask_token_id=V - 1, initializer_range=0.2,
                          layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())

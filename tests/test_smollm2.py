@@ -72,7 +72,7 @@ def test_stage_one_fit_and_eval_on_smollm2(tmp_path_factory):
 
     run = work / "run"
     invoke(["fit", "--cache", str(cache_dir), "--out", str(run), "--num-layers", "1",
-            "--block-size", str(BLOCK_SIZE), "--anchors-per-seq", "16", "--tokens-per-step", "256",
+            "--num-drafts", str(BLOCK_SIZE - 1), "--anchors-per-seq", "16", "--tokens-per-step", "256",
             "--epochs", "100", "--max-steps", str(NUM_STEPS), "--lr", "1e-3", "--eval-fraction", "0.25",
             "--eval-every", "0", "--checkpoint-every", str(NUM_STEPS), "--spike-warmup-steps", "5",
             "--device", "cpu", "--dtype", "float32", "--no-wandb"])

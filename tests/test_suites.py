@@ -103,7 +103,7 @@ def test_mt_benchs_second_turn_follows_the_first_turns_decoded_reply(tmp_path, m
     prompts = suite_prompts(load_suite("mt-bench", path), renderer)
     torch.manual_seed(1)
     config = drafter_config(num_hidden_layers=1, vocab_size=len(tokenizer), target_layer_ids=[1, 3],
-                            num_target_layers=6, block_size=4, mask_token_id=len(tokenizer) - 1)
+                            num_target_layers=6, num_drafts=3, mask_token_id=len(tokenizer) - 1)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())
     decoded = []  # (prompt ids, output tokens) of every speculative call

@@ -114,6 +114,6 @@ def test_the_synthetic_target_writes_a_complete_target_json(tmp_path, dtype):
                            head_dim=8, intermediate_size=64, dtype=dtype)
     info = TargetInfo.load(tmp_path / "target")
     assert info.dtype == str(dtype).removeprefix("torch.") and info.eos_token_id == 63
-    config = DrafterConfig.from_target(tmp_path / "target", num_hidden_layers=1, block_size=4)
+    config = DrafterConfig.from_target(tmp_path / "target", num_hidden_layers=1, num_drafts=3)
     assert (config.target_layer_ids, config.num_target_layers, config.mask_token_id) == ([0, 2, 4], 6, 62)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]

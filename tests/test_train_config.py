@@ -11,18 +11,18 @@ from dflash.train.config import FitConfig, check_resume, describe_fields, resolv
 
 def test_toml_then_flags(tmp_path):
     path = tmp_path / "fit.toml"
-    path.write_text('cache = ["a", "b"]\nout = "run"\nblock-size = 8\nlr = 1e-3\ndecay_gamma = "auto"\n')
+    path.write_text('cache = ["a", "b"]\nout = "run"\nnum-drafts = 7\nlr = 1e-3\ndecay_gamma = "auto"\n')
     config = resolve(path, {"lr": 2e-3, "epochs": None})
     # Paths in the file are relative to the file.
     assert config.cache == [str(tmp_path / "a"), str(tmp_path / "b")]
-    assert config.model.block_size == 8 and config.optimizer.lr == 2e-3
+    assert config.model.num_drafts == 7 and config.optimizer.lr == 2e-3
     assert config.data.epochs == 6 and config.loss.decay_gamma is None
 
 
 @pytest.mark.parametrize("text,message", [
     ('cache = ["a"]\nout = "r"\nlearning_rate = 1\n', "unknown field"),
-    ('cache = ["a"]\nout = "r"\nblock_size = 1\n', "block_size must be >= 2"),
-    ('cache = ["a"]\nout = "r"\ntokens_per_step = 100\n', "multiple of block_size"),
+    ('cache = ["a"]\nout = "r"\nnum_drafts = 0\n', "num_drafts must be >= 1"),
+    ('cache = ["a"]\nout = "r"\ntokens_per_step = 100\n', "multiple of the block's 16 drafter rows"),
     ('cache = ["a"]\nout = "r"\nloss = "mse"\n', "loss must be one of"),
     ('out = "r"\n', "cache"),
     ('cache = [\n', "not valid TOML"),

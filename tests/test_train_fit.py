@@ -150,7 +150,7 @@ def test_metrics_and_events(cache_dir, tmp_path, capsys):
     for line in lines:
         assert tuple(line) == STEP_KEYS
         assert line["gpu_data_wait_s"] is None  # no CUDA events on a CPU: absent, not 0
-        assert len(line["accuracy"]) == config.model.block_size - 1
+        assert len(line["accuracy"]) == config.model.num_drafts
         assert line["tokens"] <= config.data.tokens_per_step and line["data_time_s"] <= line["step_time_s"]
         assert line["epoch"] == pytest.approx(line["step"] / steps_per_epoch)
         assert line["epoch_index"] == (line["step"] - 1) // steps_per_epoch + 1
@@ -272,7 +272,7 @@ def _plan(config: FitConfig):
     corpus = Corpus([open_cache(config.cache[0])])
     return DataPlan(num_eligible=corpus.num_eligible,
                     held_out=held_out_mask(len(corpus), config.eval.eval_fraction, config.data.seed),
-                    block_size=config.model.block_size, anchors_per_seq=config.data.anchors_per_seq,
+                    block_size=config.block_rows, anchors_per_seq=config.data.anchors_per_seq,
                     tokens_per_step=config.data.tokens_per_step, seed=config.data.seed, world_size=1)
 
 
@@ -402,14 +402,14 @@ def test_fsdp_resume_is_exact_and_checkpoints_move_between_modes(cache_dir, tmp_
 
 def test_cli_fit_with_config_file_and_flags(cache_dir, tmp_path):
     config_file = tmp_path / "fit.toml"
-    config_file.write_text(f'cache = ["{cache_dir}"]\nnum_layers = 1\nblock_size = 4\n'
+    config_file.write_text(f'cache = ["{cache_dir}"]\nnum_layers = 1\nnum_drafts = 3\n'
                            f'anchors_per_seq = 6\ntokens_per_step = 96\neval_every = 0\n')
     result = CliRunner().invoke(main, ["fit", "--config", str(config_file), "--out", str(tmp_path / "run"),
                                        "--max-steps", "2", "--no-wandb", "--decay-gamma", "3.5"])
     assert result.exit_code == 0, result.output
     assert "done: 2/2 steps" in result.output
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["decay_gamma"] == 3.5 and saved["max_steps"] == 2 and saved["block_size"] == 4
+    assert saved["decay_gamma"] == 3.5 and saved["max_steps"] == 2 and saved["num_drafts"] == 3
     # Rerunning resumes (nothing left to do) and refuses a changed learning rate.
     again = CliRunner().invoke(main, ["fit", "--config", str(config_file), "--out", str(tmp_path / "run"),
                                       "--max-steps", "2", "--no-wandb", "--decay-gamma", "3.5", "--lr", "1e-3"])
@@ -463,11 +463,11 @@ def test_the_read_ahead_gives_the_batches_a_fresh_read_gives(cache_dir, tmp_path
         epoch, step_in_epoch = divmod(step, run.plan.steps_per_epoch)
         alone = read_batch(run.corpus, run.plan.segments(epoch, step_in_epoch, 0), stream=epoch,
                            plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed,
-                           block_size=run.config.model.block_size, gamma=run.gamma,
+                           block_size=run.config.block_rows, gamma=run.gamma,
                            mask_token_id=run.drafter_config.mask_token_id)
         for name, value in tensors.items():
             assert torch.equal(value, getattr(alone, name)), (step, name)
-        layout = BlockLayout.build(alone.segments, run.config.model.block_size)
+        layout = BlockLayout.build(alone.segments, run.config.block_rows)
         for got, expected in zip(layout_tensors, [layout.anchors, layout.context_positions, layout.block_positions]):
             assert torch.equal(got, expected), step
         assert layout_lists == (layout.context_lengths, layout.num_blocks, layout.context_offsets,

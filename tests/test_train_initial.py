@@ -29,7 +29,7 @@ def test_save_initial_keeps_the_untrained_weights(cache_dir, tmp_path):
     assert checkpoints[1].name != checkpoints[0].name
 
     torch.manual_seed(config.data.seed)  # fit builds the drafter right after seeding, before any step
-    drafter_config = DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=1, block_size=4)
+    drafter_config = DrafterConfig.from_target(cache_dir / "target", num_hidden_layers=1, num_drafts=3)
     expected = DFlashDrafter(drafter_config).state_dict()
     initial = load_file(checkpoints[0] / "model.safetensors")
     trained = load_file(checkpoints[1] / "model.safetensors")

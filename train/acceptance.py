@@ -43,22 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.train import drafters
 from dflash.train.data import eligible_anchors
-from dflash.train.dspark import is_dspark, sequential_drafts
 from dflash.train.model import BlockLayout, DFlashDrafter, TargetHead
-
-
-def greedy_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """Argmax of `hidden @ lm_head.T` per row, `rows_per_chunk` rows at a time.
-
-    hidden [N, H], lm_head [V, H]. Returns [N] int64. Logits are computed in float32.
-    """
-    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # [N]
-    weight = lm_head.float()
-    for start in range(0, hidden.shape[0], rows_per_chunk):
-        rows = hidden[start:start + rows_per_chunk].float()  # [n, H]
-        out[start:start + rows_per_chunk] = (rows @ weight.T).argmax(-1)
-    return out
 
 
 def target_top1(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> np.ndarray:
@@ -155,8 +142,8 @@ def sequence_acceptance(
     drafts = np.empty((anchors.shape[0], B - 1), dtype=np.int64)
     ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64), device=device)  # [T]
     flat = torch.as_tensor(np.asarray(features, dtype=np.float32).reshape(T, -1), device=device)  # [T, L*H]
-    dspark = is_dspark(drafter)  # its block is the anchor and B-2 masks, each position drafting the next token
-    Q = B - 1 if dspark else B  # drafter rows per block
+    kind = drafters.of(drafter)
+    Q = kind.block_rows(B - 1)  # drafter rows per block of B - 1 drafts
     for first in range(0, anchors.shape[0], anchors_per_call):
         chunk = anchors[first:first + anchors_per_call]  # [n]
         context_length = int(chunk.max())  # context rows 0..max(a)-1: all any block may see
@@ -166,13 +153,9 @@ def sequence_acceptance(
         block_ids[:, 0] = ids[torch.as_tensor(chunk, device=device)]
         embeds = head.embed(block_ids.reshape(-1)).to(next(drafter.parameters()).dtype)  # [n*Q, H]
         hidden = drafter(embeds, flat[:context_length], layout)  # [n*Q, H]
-        if dspark:  # left to right, each draft's Markov bias from the one before: the online rule
-            drafts[first:first + chunk.shape[0]] = sequential_drafts(
-                drafter, hidden.view(chunk.shape[0], Q, -1), block_ids[:, 0], head).cpu().numpy()
-            continue
-        hidden = hidden.view(chunk.shape[0], B, -1)[:, 1:].reshape(-1, hidden.shape[-1])  # [n*(B-1), H]
-        drafts[first:first + chunk.shape[0]] = (
-            head.to_target(greedy_tokens(hidden, head.lm_head, argmax_rows)).view(chunk.shape[0], B - 1).cpu().numpy())
+        drafts[first:first + chunk.shape[0]] = kind.draft(  # the online loop's rule (train/drafters/)
+            drafter, hidden.view(chunk.shape[0], Q, -1), block_ids[:, 0], head,
+            rows_per_chunk=argmax_rows).tokens.cpu().numpy()
     matches = (drafts == expected) & scored
     accepted = block_acceptance(matches, scored)
     cut = stop_token_ids is not None and mask.any() and int(input_ids[np.flatnonzero(mask)[-1]]) not in stop_token_ids
@@ -221,7 +204,8 @@ class OfflineTotals:
             "num_sequences": self.num_sequences,
             "replay_acceptance_length": (float(np.mean(self.replay_taus)) if self.replay_taus else None),
             "num_replay_verifications": len(self.replay_taus),
-            "block_size": self.block_size,
+            "num_drafts": self.block_size - 1,
+            "verify_size": self.block_size,
         }
 
 
@@ -251,5 +235,5 @@ def evaluate_offline(
     return totals.summary()
 
 
-__all__ = ["OfflineTotals", "SequenceAcceptance", "block_acceptance", "evaluate_offline", "greedy_tokens",
+__all__ = ["OfflineTotals", "SequenceAcceptance", "block_acceptance", "evaluate_offline",
            "replay_last_reply", "sequence_acceptance", "target_top1"]

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from dflash.train.dspark import make_drafter
+from dflash.train import drafters
 from dflash.train.model import DFlashDrafter
 
 
@@ -35,7 +35,7 @@ def fold_basis(drafter: DFlashDrafter, basis) -> DFlashDrafter:
     scale = torch.from_numpy(basis.scale)  # [L*H]
     folded_fc = (weight @ projection) * scale  # [H, L*H]
     config = dataclasses.replace(c, feature_width=None, feature_basis_sha256=None)
-    folded = make_drafter(config, attention=drafter.attention, max_dense_queries=drafter.max_dense_queries)
+    folded = drafters.make(config, attention=drafter.attention, max_dense_queries=drafter.max_dense_queries)
     state = {name: t.detach().to("cpu") for name, t in drafter.state_dict().items()}
     state["fc.weight"] = folded_fc.to(drafter.fc.weight.dtype)
     folded.load_state_dict(state)

@@ -32,8 +32,12 @@ def _fit_options(command):
     config_file = click.option(
         "--config", "config_file", type=click.Path(dir_okay=False, exists=True),
         help="TOML file with the same fields (top level, or in [section] tables); flags override it.")
+    block_size = click.option(
+        "--block-size", "block_size", type=int, default=None,
+        help="Deprecated: use --num-drafts. The drafter's rows per block, as fit took them before; the "
+             "--drafter kind converts them to its drafts per verify, and a warning says to what.")
     fields = flags(FitConfig, required=False)
-    return apply([*fields[:2], config_file, *fields[2:]], command)
+    return apply([*fields[:2], config_file, *fields[2:], block_size], command)
 
 
 @main.command()

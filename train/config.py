@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash.common.options import (
+    CHOICES,
     METAVAR,
     NONE_WORD,
     PATH,
@@ -40,9 +42,11 @@ from dflash.common.options import (
     field_docs,
     resumable,
 )
+from dflash.train import drafters
 from dflash.train.gating import GatingConfig
 
 DEFAULT_NUM_LAYERS = 5  # drafter layers of a run from scratch (the paper's Qwen3 drafters)
+RENAMED = "block_size"  # num_drafts's key before the block was named once (`renamed`)
 AUTO = {NONE_WORD: "auto"}
 BOOKKEEPING = {RESUMABLE: True}  # a resumed run may change it: it does not change the numbers
 
@@ -57,8 +61,10 @@ def _positive(config: Any, *names: str) -> None:
 class ModelConfig:
     num_layers: int | None = field(default=None, metadata=AUTO)
     """Drafter decoder layers; auto: the --init-from source's, else 5."""
-    block_size: int = 16
-    """Tokens per block: the anchor and block_size - 1 predictions."""
+    num_drafts: int | None = field(default=None, metadata=AUTO)
+    """Tokens drafted per verify (vLLM's num_speculative_tokens); the verify checks num_drafts + 1,
+    the drafts and the target's bonus token. The drafter rows one block takes are the kind's;
+    auto: the kind's default (a block of 16 rows)."""
     mask_token_id: int | None = field(default=None, metadata=AUTO)
     """Mask token id; auto: the tokenizer's mask token, else the first embedding row past the
     tokenizer's vocabulary, else a special token the chat template never writes (never a stop,
@@ -94,21 +100,12 @@ class ModelConfig:
     auto: the --init-from source's, else causal in sliding_attention layers only (how z-lab's
     reference and vLLM read a drafter config without is_causal)."""
 
-    drafter: Literal["dflash", "dspark"] = "dflash"
-    """dflash, or dspark: the DFlash backbone plus a Markov head (each draft's logits get a
-    bias from the token before it; a block of block_size drafts block_size tokens, its anchor
-    included) served by vLLM's `dspark` method (train/dspark.py)."""
-    markov_rank: int = 256
-    """dspark: rank of the Markov head (markov_w1 [vocab, rank], markov_w2 [draft vocab, rank])."""
-    confidence_head: bool = False
-    """dspark: also train a confidence head (each draft's acceptance probability, for vLLM's
-    adaptive verification), by cross-entropy towards the drafter's overlap with the target's top-k."""
+    drafter: str = field(default=drafters.DEFAULT, metadata={CHOICES: drafters.names})
+    """The drafter kind (train/drafters/): the family of drafter trained, exported and served;
+    a kind's own options are flags of their own."""
 
     def __post_init__(self) -> None:
         check_choices(self)
-        _positive(self, "markov_rank")
-        if self.confidence_head and self.drafter != "dspark":
-            raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
         if self.layer_types is not None:
             unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
             if unknown or not self.layer_types:
@@ -123,8 +120,8 @@ class ModelConfig:
             _positive(self, "draft_vocab")
         if self.num_layers is not None:
             _positive(self, "num_layers")
-        if self.block_size < 2:
-            raise ValueError(f"fit config: block_size must be >= 2, got {self.block_size}")
+        if self.num_drafts is not None:
+            _positive(self, "num_drafts")
 
 
 @dataclass(kw_only=True)
@@ -262,6 +259,18 @@ class LoggingConfig:
         _positive(self, "log_every")
 
 
+def _options_class() -> type:
+    """One component holding every registered kind's fit options (train/drafters/): their
+    fields are flat keys as any other (flags, TOML, RUN/config.json), in every run's config; a
+    kind's options change the numbers of its own runs only (`check_resume`)."""
+    bases = tuple(kind.options for kind in drafters.kinds() if kind.options is not None)
+    namespace = {"__module__": __name__, "__doc__": _options_class.__doc__}
+    return dataclass(kw_only=True)(type("DrafterOptions", bases, namespace))
+
+
+DrafterOptions = _options_class()
+
+
 @dataclass(kw_only=True)
 class FitConfig:
     """The whole configuration of a run: its inputs and output, then one config per component.
@@ -279,6 +288,7 @@ class FitConfig:
     init_from: str | None = field(default=None, metadata={RESUMABLE: True})
     """Start from this drafter's weights (a z-lab-layout folder, a run folder or RUN/checkpoints/step-N)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    drafter_options: DrafterOptions = field(default_factory=DrafterOptions)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -304,11 +314,23 @@ class FitConfig:
                                  "o_proj and down_proj are loaded): drop --out-init zero")
         if not self.cache:
             raise ValueError("fit config: `cache` is empty: give at least one cache folder")
-        if self.data.tokens_per_step % self.model.block_size:
+        for kind in drafters.kinds():
+            if kind.options is not None:
+                kind.check_options(self.drafter_options, selected=kind.name == self.model.drafter)
+        if self.model.num_drafts is None:
+            self.model = dataclasses.replace(self.model,
+                                             num_drafts=drafters.get(self.model.drafter).default_num_drafts)
+        rows = self.block_rows
+        if self.data.tokens_per_step % rows:
             raise ValueError(
-                f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of "
-                f"block_size ({self.model.block_size})"
+                f"fit config: tokens_per_step ({self.data.tokens_per_step}) must be a multiple of the block's "
+                f"{rows} drafter rows (--num-drafts {self.model.num_drafts} of --drafter {self.model.drafter})"
             )
+
+    @property
+    def block_rows(self) -> int:
+        """Drafter rows (block tokens) of one block: the kind's for num_drafts (train/drafters/)."""
+        return drafters.get(self.model.drafter).block_rows(self.model.num_drafts)
 
     def components(self) -> dict[str, Any]:
         """The component configs by section name (`model`, `data`, ...)."""
@@ -316,7 +338,10 @@ class FitConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FitConfig:
-        """From flat keys (leaf field names; a field's none word, e.g. "auto", means None)."""
+        """From flat keys (leaf field names; a field's none word, e.g. "auto", means None); a
+        `block_size` (fit's key before the block was named once) is read as its kind's
+        num_drafts, with a warning."""
+        values = renamed(values, warn=True)
         unknown = sorted(set(values) - set(LEAVES))
         if unknown:
             raise ValueError(f"fit config: unknown field(s) {unknown}; known fields: {sorted(LEAVES)}")
@@ -347,6 +372,8 @@ def check_types(values: Mapping[str, Any], where: str) -> None:
     """ValueError naming `where` and the field when a value is not of its field's type (a
     TOML `num_layers = "one"`); a field's none word is accepted for None."""
     for name, value in values.items():
+        if name == RENAMED:  # an integer, read by `renamed`
+            continue
         section, spec = LEAVES[name]
         if value is None or (isinstance(value, str) and value == spec.metadata.get(NONE_WORD)):
             continue
@@ -435,13 +462,13 @@ def load_toml(path: str | Path) -> dict:
         if key in COMPONENTS and isinstance(value, dict):
             for inner, inner_value in value.items():
                 inner = inner.replace("-", "_")
-                if LEAVES.get(inner, (None,))[0] != key:
+                if LEAVES.get(inner, (None,))[0] != key and (key, inner) != ("model", RENAMED):
                     raise ValueError(f"{path}: [{key}] has no field {inner!r}; its fields: "
                                      f"{sorted(f.name for f in dataclasses.fields(COMPONENTS[key]))}")
                 values[inner] = inner_value
         else:
             values[key] = value
-    unknown = sorted(set(values) - FIELDS)
+    unknown = sorted(set(values) - FIELDS - {RENAMED})
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {unknown}; known fields: {sorted(FIELDS)}")
     check_types(values, str(path))
@@ -465,15 +492,38 @@ def resolve(config_file: str | Path | None, overrides: dict) -> FitConfig:
     return FitConfig.from_dict(values)
 
 
+def renamed(values: Mapping[str, Any], *, warn: bool) -> dict[str, Any]:
+    """Flat keys with a `block_size` (the name before the block was named once: the drafter's
+    rows per block, e.g. 16 for 15 drafts of the default kind) as `num_drafts`, converted by
+    the `drafter` kind; `warn`: say so on stderr (a flag or config file gave it)."""
+    values = dict(values)
+    if values.get(RENAMED) is None:
+        values.pop(RENAMED, None)
+        return values
+    rows = int(values.pop(RENAMED))
+    kind = drafters.get(values.get("drafter") or drafters.DEFAULT)
+    if values.get("num_drafts") is not None and values["num_drafts"] != kind.num_drafts(rows):
+        raise ValueError(f"fit config: block_size {rows} (--drafter {kind.name}: {kind.num_drafts(rows)} drafts) "
+                         f"and num_drafts {values['num_drafts']} disagree: give num_drafts alone")
+    values["num_drafts"] = kind.num_drafts(rows)
+    if warn:
+        print(f"warning: block_size (--block-size) {rows} is deprecated: for --drafter {kind.name} it means "
+              f"--num-drafts {values['num_drafts']} (a verify of {values['num_drafts'] + 1}); pass that instead",
+              file=sys.stderr, flush=True)
+    return values
+
+
 def check_resume(saved_path: Path, config: FitConfig) -> None:
     """Refuse to resume a run whose saved config differs in a field that changes the numbers."""
-    saved = json.loads(saved_path.read_text())
+    saved = renamed(json.loads(saved_path.read_text()), warn=False)  # a run started before the rename too
     current = config.to_dict()
     defaults = {info.name: None if info.default is dataclasses.MISSING else info.default
                 for info in describe_fields()}
-    # A DFlash run has no Markov head: its rank changes nothing, whatever either call said.
-    dflash = saved.get("drafter", defaults["drafter"]) == current["drafter"] == "dflash"
-    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"} - ({"markov_rank"} if dflash else set())):
+    # Another kind's options change nothing in this run, whatever either call said (a change
+    # of kind is refused by the `drafter` field itself).
+    kind = drafters.get(current["drafter"])
+    idle = {name for other in drafters.kinds() if other is not kind for name in other.option_names()}
+    for name in sorted(FIELDS - RESUMABLE_CHANGES - {"out"} - (idle - kind.option_names())):
         a, b = saved.get(name, defaults[name]), current[name]
         if name == "cache":
             a = [str(Path(p).resolve()) for p in a or []]

@@ -639,7 +639,7 @@ class BatchFeed:
 
             def move(tensor: torch.Tensor) -> torch.Tensor:
                 if tensor.untyped_storage().data_ptr() != host.untyped_storage().data_ptr() \
-                        or not tensor.is_contiguous():  # made after the read (a DSpark relabelling)
+                        or not tensor.is_contiguous():  # made after the read (a kind's relabelling)
                     return tensor.to(self.device, non_blocking=True)
                 offset = tensor.data_ptr() - host.data_ptr()
                 size = tensor.numel() * tensor.element_size()

@@ -87,8 +87,9 @@ class EvalConfig:
     copy (JSONL, JSON, Parquet, or a datasets save_to_disk folder in the suite's columns)."""
     max_new_tokens: int = 256
     """Online: tokens generated per prompt at most."""
-    block_size: int | None = None
-    """Block size to draft with; unset: the drafter's training block size."""
+    num_drafts: int | None = None
+    """Drafts per verify to decode and score with (the verify checks num_drafts + 1 tokens); unset:
+    the drafter's own; 0 online: plain decoding."""
     limit: int | None = None
     """Evaluate at most this many sequences / prompts (the first ones, in order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -123,8 +124,8 @@ class EvalConfig:
             raise ValueError("eval needs --cache or --run (whose held-out sequences are evaluated)")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.block_size is not None and self.block_size < (1 if self.online and self.cache is None else 2):
-            raise ValueError(f"--block-size must be >= 2 (1 online: plain decoding), got {self.block_size}")
+        if self.num_drafts is not None and self.num_drafts < (0 if self.online and self.cache is None else 1):
+            raise ValueError(f"--num-drafts must be >= 1 (0 online: plain decoding), got {self.num_drafts}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if not self.temperature >= 0:
@@ -296,9 +297,8 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     device = _device(config.device)
     loaded = load_drafter(config.run, config.checkpoint, device=device)
     drafter = loaded.drafter.eval()
-    block_size = config.block_size or drafter.config.block_size
-    if drafter.config.markov_rank is not None:  # DSpark: its block of N drafts N, verified as N + 1 tokens
-        block_size += 1
+    # The verify: the drafts and the target's bonus token.
+    block_size = (drafter.config.num_drafts if config.num_drafts is None else config.num_drafts) + 1
     result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
 
     selection, keep = _select(config, loaded)
@@ -435,7 +435,8 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("acceptance_length") is not None:
         lines.append(
             f"offline  tau {result['acceptance_length']:.3f} over {result['num_anchors']} anchors of "
-            f"{result['num_sequences']} sequences (block {result['block_size']})")
+            f"{result['num_sequences']} sequences ({result['num_drafts']} drafts per verify of "
+            f"{result['verify_size']})")
         if result.get("replay_acceptance_length") is not None:
             kind = ("= online greedy tau (replies regenerated greedily)"
                     if result.get("regenerated") and result.get("generation_temperature") == 0

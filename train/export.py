@@ -8,7 +8,8 @@ engines that adopted its format read:
 - `config.json`: a Qwen3 config (`model_type: "qwen3"`, every attention/MLP/norm/RoPE field
   written out, RoPE both as `rope_parameters` and as the older top-level `rope_theta`) plus
   the DFlash fields: `architectures: ["DFlashDraftModel"]`,
-  top-level `block_size` and `num_target_layers`, and `dflash_config` with
+  top-level `block_size` (the block's drafter rows, the kind's for its num_drafts: vLLM's
+  default num_speculative_tokens is derived from it) and `num_target_layers`, and `dflash_config` with
   `target_layer_ids` (the target decoder layers whose outputs feed the drafter, in feature
   order; Hugging Face `hidden_states[id + 1]`) and `mask_token_id` (a row of the target's
   embedding).
@@ -53,15 +54,14 @@ from dflash.common.files import atomic_dir
 from dflash.common.options import PATH, check_choices, config_options, given
 from dflash.shards import TargetInfo, open_cache
 from dflash.shards.layout import TARGET_DIR, TARGET_INFO_FILE
+from dflash.train import drafters
 from dflash.train.loading import (
-    ARCHITECTURE,
-    DSPARK_ARCHITECTURE,
     HF_CONFIG_FILE,
     HF_WEIGHTS_FILE,
     LoadedDrafter,
     load_drafter,
 )
-from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
+from dflash.train.model import DRAFT_BUFFERS, FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import eval_results_path, held_out_eval
 from dflash.train.serving import VLLM_VERSION, vllm_refusal
 
@@ -83,20 +83,21 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
     """The config.json of an exported drafter. token_ids: bos/eos/pad ids of the target (optional)."""
     import transformers
 
+    kind = drafters.of_config(config)
     n = config.num_hidden_layers
     sliding = config.layer_types is not None
     causal = {} if config.is_causal is None and sliding else {"causal": bool(config.is_causal)}
     data: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [kind.architecture],
         "model_type": "qwen3",
-        "block_size": config.block_size,
+        "block_size": kind.hf_block_size(config),  # vLLM's and SGLang's field: the block's rows
         "num_target_layers": config.num_target_layers,
         # Read by z-lab's DFlashDraftModel (target_layer_ids, mask_token_id), vLLM's DFlash
         # loader (also causal and use_swa) and SGLang's (block_size here or top-level).
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
-            "block_size": config.block_size,
+            "block_size": kind.hf_block_size(config),
             **causal,
             "use_swa": False,
         },
@@ -128,38 +129,20 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
         data["is_causal"] = config.is_causal
     if config.draft_vocab_size is not None:  # vLLM's DFlash loader: its own head of these rows, and d2t
         data["draft_vocab_size"] = config.draft_vocab_size
-    if config.markov_rank is not None:
-        data.update(dspark_fields(config))
+    data.update(kind.hf_fields(config))  # the kind's heads
     for key, value in (token_ids or {}).items():
         if value is not None:
             data[key] = value
     return data
 
 
-def dspark_fields(config: DrafterConfig) -> dict[str, Any]:
-    """What vLLM's qwen3_dspark loader and DSpark speculator read beyond the DFlash fields
-    (train/dspark.py): the architecture, the Markov rank, the block (vLLM's default
-    num_speculative_tokens; top-level `block_size` above), the anchor-predicts layout, the
-    confidence head, and no top-k restriction of the Markov bias (dspark_draft_topk null:
-    the bias over the whole draft vocabulary, as trained)."""
-    return {
-        "architectures": [DSPARK_ARCHITECTURE],
-        "markov_rank": config.markov_rank,
-        "sample_from_anchor": True,
-        "enable_confidence_head": config.confidence_head,
-        "confidence_head_with_markov": config.confidence_head,
-        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
-        "dspark_draft_topk": None,
-    }
-
-
 def vllm_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors (name: shape) an exported folder with this config.json must hold for vLLM's
-    loader, read from vLLM 0.32's `qwen3_dflash.py` / `qwen3_dspark.py` module trees (the names
+    loader, read from vLLM 0.32's module trees (`qwen3_dflash.py`; a kind's heads: its `head_tensors`; the names
     as they stand in the file; vLLM prefixes `model.` to all but `lm_head` and turns `d2t` into
     `draft_id_to_target_id`). vLLM's `load_weights` checks none of this: a tensor left out stays
-    uninitialised memory and drafts garbage, so `tests/test_dspark.py` compares exports to it."""
-    h, r = config["hidden_size"], config.get("markov_rank")
+    uninitialised memory and drafts garbage, so the tests compare exports to it."""
+    h = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     hd, inner, vocab = config["head_dim"], config["intermediate_size"], config["vocab_size"]
     draft = config.get("draft_vocab_size") or vocab
@@ -177,11 +160,7 @@ def vllm_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                        p + "post_attention_layernorm.weight": (h,)})
     if draft < vocab:  # a reduced head must ship with its id map, or vLLM refuses it
         shapes.update({"lm_head.weight": (draft, h), "d2t": (draft,)})
-    if r is not None:
-        shapes.update({"markov_head.markov_w1.weight": (vocab, r), "markov_head.markov_w2.weight": (draft, r)})
-        if config.get("enable_confidence_head"):
-            extra = r if config.get("confidence_head_with_markov") else 0
-            shapes.update({"confidence_head.proj.weight": (1, h + extra), "confidence_head.proj.bias": (1,)})
+    shapes.update(drafters.of_hf(config, "config.json").head_tensors(config))
     return shapes
 
 
@@ -241,6 +220,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
     """README.md of an export: what the drafter is for, how it was trained, what it measured;
     `serving_note` (an engine's gap for this target) follows the serving commands."""
     c = loaded.drafter.config
+    kind = drafters.of_config(c)
     fit = loaded.fit_config or {}
     caches = []
     for path in fit.get("cache", []):
@@ -266,12 +246,12 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         *([f"base_model: {target}"] if target else []),
         "---",
         "",
-        f"# {'DSpark' if c.markov_rank is not None else 'DFlash'} drafter{f' for {target}' if target else ''}",
+        f"# {kind.title} drafter{f' for {target}' if target else ''}",
         "",
         "A block-diffusion draft model for speculative decoding (DFlash, arXiv 2602.06036), trained "
-        "with dflash from an offline target cache. It drafts a block of "
-        f"{c.block_size} tokens (the last committed token and {c.block_size - 1} guesses) in one "
-        f"forward from the target's layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
+        f"with dflash from an offline target cache. It drafts {c.num_drafts} tokens per verify of "
+        f"{c.num_drafts + 1} (the drafts and the target's bonus token) in one forward from the target's "
+        f"layer outputs {c.target_layer_ids} (of {c.num_target_layers} "
         f"layers; Hugging Face `hidden_states[id + 1]`). "
         + ("It has no embedding and no LM head: it uses the target's, frozen. " if c.draft_vocab_size is None else
            f"It has no embedding (it uses the target's) and an LM head of {c.draft_vocab_size:,} rows, the "
@@ -282,8 +262,8 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
         f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}." + _attention_sentence(c),
         "",
-        *(_dspark_lines(c) if c.markov_rank is not None else []),
-        *(_serving_lines(c, target) if c.markov_rank is None else _dspark_serving_lines(c, target)),
+        *kind.card_lines(c),
+        *kind.serving_lines(c, target),
         *(["", serving_note] if serving_note else []),
         "",
         "## Measured acceptance length",
@@ -328,80 +308,6 @@ def _attention_sentence(c: DrafterConfig) -> str:
     return f" Attention by layer: {'; '.join(kinds)} inside the block."
 
 
-def _vllm_placeholders(target: str | None, method: str, num_speculative_tokens: int) -> tuple[str, str]:
-    """(the target's placeholder path, vLLM's quoted --speculative-config) for a card's serving lines."""
-    spec = (f"'{{\"method\": \"{method}\", \"model\": \"/path/to/THIS/FOLDER\", "
-            f"\"num_speculative_tokens\": {num_speculative_tokens}}}'")
-    return (f"/path/to/{target}" if target else "/path/to/TARGET"), spec
-
-
-def _serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
-    """How to serve the folder with each engine (block size B: B - 1 drafted tokens per step)."""
-    target, spec = _vllm_placeholders(target, "dflash", c.block_size - 1)
-    return [
-        "## Serving",
-        "",
-        f"Serve next to the target it was trained for (its folder: `{target}`); greedy output is "
-        f"the target's own. Block size {c.block_size}: pass `num_speculative_tokens` "
-        f"{c.block_size - 1} (B - 1); engines do not read `block_size`, and vLLM takes a larger "
-        "value without complaint.",
-        "",
-        "vLLM (`dflash` speculative method; keep `\"method\": \"dflash\"` explicit: without it vLLM "
-        "guesses the method from the folder's name and, unless the name holds \"dflash\", runs "
-        "this folder as a plain draft model that accepts nothing). vLLM runs the drafter in the "
-        "target's dtype; for a float32 lossless check pass `--dtype float32` (vLLM's CPU build "
-        "otherwise downcasts a float32 target to bfloat16, where near-ties flip):",
-        "",
-        *([f"Its layers mix {SLIDING_ATTENTION} and {FULL_ATTENTION}, which vLLM's DFlash loader serves only "
-           "with its V2 model runner: set `VLLM_USE_V2_MODEL_RUNNER=1`.", ""]
-          if c.layer_types is not None and FULL_ATTENTION in c.layer_types else []),
-        "```bash",
-        f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
-        "```",
-        "",
-        "SGLang (needs a GPU):",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path /path/to/THIS/FOLDER --speculative-num-draft-tokens {c.block_size}",
-        "```",
-        "",
-        ("Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
-         "`dflash_generate` loop." if c.draft_vocab_size is None else
-         f"Draft vocabulary: this drafter scores {c.draft_vocab_size:,} of the target's {c.vocab_size:,} tokens "
-         "(`lm_head.weight` holds the target head's rows of them, `d2t` maps each row to its token: "
-         "target id = row + d2t[row]), which vLLM loads; z-lab/dflash's `DFlashDraftModel` loads no draft "
-         "vocabulary, nor does SGLang's DFlash loader as far as we know (train without `--draft-vocab` for them)."),
-    ]
-
-
-def _dspark_lines(c: DrafterConfig) -> list[str]:
-    return ["", f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the DFlash "
-            "backbone (`markov_head.markov_w1` [vocab, rank] embeds the previous token, `markov_head.markov_w2` "
-            "[draft vocab, rank] biases the draft logits), drafting left to right; its block is the anchor and "
-            f"{c.block_size - 1} masks, and every position predicts the next token: {c.block_size} drafts per step"
-            + (", with a confidence head (`confidence_head.proj`)." if c.confidence_head else ".")]
-
-
-def _dspark_serving_lines(c: DrafterConfig, target: str | None) -> list[str]:
-    """How to serve a DSpark folder: vLLM's `dspark` method, which runs on its V2 model runner."""
-    target, spec = _vllm_placeholders(target, "dspark", c.block_size)
-    return [
-        "## Serving",
-        "",
-        f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dspark` "
-        f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the block size, "
-        f"{c.block_size} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, which "
-        "on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
-        "",
-        "```bash",
-        f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
-        "```",
-        "",
-        "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.",
-    ]
-
-
 def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
     lines = ["| measure | acceptance length (tau) | on |", "|---|---|---|"]
     if evaluation.get("acceptance_length") is not None:
@@ -423,7 +329,9 @@ def _evaluation_lines(evaluation: dict[str, Any]) -> list[str]:
         how = f"temperature {suite['temperature']:g}" if suite["temperature"] else "greedy"
         lines.append(f"| online, {suite['suite']} ({how}) | {suite['acceptance_length'] or 0:.3f} | "
                      f"{suite['num_prompts']} prompts, {suite['num_turns']} turns |")
-    lines += ["", f"Block size {evaluation.get('block_size')}; tau counts the target's bonus token."]
+    verify = evaluation.get("verify_size", evaluation.get("block_size"))  # (block_size: an eval before the rename)
+    lines += ["", f"Verify size {verify} ({verify - 1 if verify else '?'} drafts and the target's bonus token); "
+              "tau counts the bonus token."]
     return lines
 
 
@@ -498,11 +406,9 @@ def export_command(**options: Any) -> None:
     refusal = vllm_warning(options["run"])
     if refusal is not None:
         click.echo(refusal, err=True)
-    dspark = json.loads((path / HF_CONFIG_FILE).read_text()).get("markov_rank") is not None
-    if not dspark and "dflash" not in path.name.lower():
-        click.echo(f"Warning: --out {path.name}: the folder name lacks \"dflash\"; keep \"method\": \"dflash\" "
-                   "in vLLM's --speculative-config (without it vLLM guesses the method from the name and "
-                   "runs the folder as a plain draft model that accepts nothing)", err=True)
+    warning = drafters.of_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path)).export_warning(path.name)
+    if warning is not None:
+        click.echo(warning, err=True)
 
 
 __all__ = [

@@ -51,7 +51,7 @@ from dflash.common.files import write_json_atomic
 from dflash.kernels.loss import sparse_kl_loss
 from dflash.shards import open_cache
 from dflash.shards.layout import HEAD_FILE, TARGET_INFO_FILE
-from dflash.train import draft_vocab, dspark, parallel
+from dflash.train import draft_vocab, drafters, parallel
 from dflash.train.checkpoint import CheckpointWriter, Snapshot, latest_checkpoint, load_checkpoint
 from dflash.train.config import DEFAULT_NUM_LAYERS, FitConfig, LossConfig, ModelConfig, check_resume
 from dflash.train.data import (
@@ -231,7 +231,7 @@ def _train(run: Run) -> None:
         sent = pending or reads[0]
         batch, layout = _receive(run, run.feed, sent)
         start, stop = plan.step_blocks(step_in_epoch)
-        tokens = (stop - start) * config.model.block_size  # global block tokens of this step
+        tokens = (stop - start) * config.block_rows  # global block tokens of this step
 
         lr = lr_at(step, run.total_steps, config.optimizer.warmup_ratio, config.optimizer.lr)
         for group in run.optimizer.param_groups:
@@ -311,7 +311,7 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                     combine=lambda counts: _all_reduce(torch.from_numpy(counts).to(device), world_size).cpu().numpy(),
                     progress=is_main, all_tokens=config.data.train_on == "all")
     source = resolve_source(run_dir, config.init_from)  # None: from scratch; refuses another source than the run's
-    model_config, drafter_config = _drafter_config(caches[0].target_dir, corpus, config.model, source)
+    model_config, drafter_config = _drafter_config(caches[0].target_dir, corpus, config, source)
     if corpus.spec.is_basis:  # fc reads the coefficients; export folds the basis back in
         drafter_config = dataclasses.replace(drafter_config, feature_width=corpus.spec.feature_width,
                                              feature_basis_sha256=caches[0].feature_basis_sha256)
@@ -331,7 +331,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
 
     compute_dtype = _compute_dtype(config.runtime.dtype, device)
     torch.manual_seed(config.data.seed)
-    model = dspark.make_drafter(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
+    kind = drafters.of_config(drafter_config)
+    model = kind.make(drafter_config, attention=config.runtime.attention).to(device)  # fp32 master weights
     num_parameters = count_parameters(model)
     head = TargetHead.load(caches[0].target_dir, device=device, dtype=compute_dtype)
     initial_weights(model, config.model, head, caches[0].target_dir)
@@ -344,13 +345,14 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
                    basis=caches[0].load_feature_basis() if corpus.spec.is_basis else None)
     gate = SpikeGate(config.gating)
     parallel_kind = parallel.choose(config.runtime.parallel, num_parameters, world_size, device)
-    if parallel_kind == "fsdp" and dspark.is_dspark(model):  # its heads act in the loss, outside FSDP2's forward
-        raise ValueError("--drafter dspark trains on one device or under DDP, not FSDP2: pass --parallel ddp")
+    if parallel_kind == "fsdp" and not kind.fsdp:
+        raise ValueError(f"--drafter {kind.name} trains on one device or under DDP, not FSDP2: pass --parallel ddp")
     step, wrapped, optimizer = _resume(resume_from, model, gate, config, parallel_kind, world_size, device)
 
     if is_main and resume_from is not None:
         print(f"resuming from {resume_from} (step {step})", flush=True)
-    gamma = config.loss.decay_gamma or decay_gamma(drafter_config.num_drafts + 1)  # DSpark: as DFlash of its drafts
+    # Every kind as DFlash of its drafts: the block of the anchor and its drafts.
+    gamma = config.loss.decay_gamma or decay_gamma(drafter_config.num_drafts + 1)
     writer = CheckpointWriter(run_dir, config.checkpoint.keep_checkpoints) if is_main else None
     # A fresh start (step 0) drops the step lines of an earlier attempt that saved no checkpoint.
     logger = RunLogger(run_dir, enabled=is_main, resume_step=step,
@@ -441,19 +443,19 @@ def _write_run_files(run_dir: Path, config: FitConfig, drafter_config: DrafterCo
 
 def plan_line(total_steps: int, steps_per_epoch: int, config: FitConfig) -> str:
     """The console's statement of what the run will do, printed at start."""
-    blocks = config.data.tokens_per_step // config.model.block_size
+    blocks = config.data.tokens_per_step // config.block_rows
     epochs = total_steps / steps_per_epoch
     why = (f"--max-steps {config.data.max_steps} overrides --epochs {config.data.epochs}"
            if config.data.max_steps else f"--epochs {config.data.epochs}")
-    return (f"plan: {total_steps} steps of {blocks} blocks x {config.model.block_size} tokens = "
+    return (f"plan: {total_steps} steps of {blocks} blocks x {config.block_rows} tokens = "
             f"{epochs:.3g} epochs of {steps_per_epoch} steps ({why})")
 
 
-def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
+def _drafter_config(target_dir: Path, corpus: Corpus, config: FitConfig,
                     source: InitSource | None) -> tuple[ModelConfig, DrafterConfig]:
     """(the model config with num_layers resolved, the drafter sized for the target and, when
     warm-starting, checked against the source), checked against the cache's spec."""
-    spec = corpus.spec
+    spec, model = corpus.spec, config.model
     mask_given = model.mask_token_id is not None
     layer_types, sliding_window, is_causal = attention_fields(source, layer_types=model.layer_types,
                                                               sliding_window=model.sliding_window,
@@ -464,12 +466,10 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
     model = dataclasses.replace(model, num_layers=num_layers, mask_token_id=mask_token_id, layer_types=layer_types,
                                 sliding_window=sliding_window, is_causal=is_causal)
     drafter_config = DrafterConfig.from_target(target_dir, num_hidden_layers=model.num_layers,
-                                               block_size=model.block_size, mask_token_id=model.mask_token_id)
+                                               num_drafts=model.num_drafts, mask_token_id=model.mask_token_id)
     drafter_config = dataclasses.replace(drafter_config, draft_vocab_size=model.draft_vocab, layer_types=layer_types,
                                          sliding_window=sliding_window, is_causal=is_causal)
-    if model.drafter == "dspark":
-        drafter_config = dataclasses.replace(drafter_config, markov_rank=model.markov_rank,
-                                             confidence_head=model.confidence_head)
+    drafter_config = drafters.get(model.drafter).drafter_config(drafter_config, config.drafter_options)
     if drafter_config.target_layer_ids != spec.layer_ids or drafter_config.hidden_size != spec.hidden_size:
         raise ValueError(
             f"{target_dir / TARGET_INFO_FILE} (layers {drafter_config.target_layer_ids}, hidden "
@@ -483,7 +483,7 @@ def _drafter_config(target_dir: Path, corpus: Corpus, model: ModelConfig,
 
 def _plan(corpus: Corpus, excluded, config: FitConfig, world_size: int) -> DataPlan:
     """The plan over the sequences not in `excluded` ([num sequences] bool)."""
-    return DataPlan(num_eligible=corpus.num_eligible, held_out=excluded, block_size=config.model.block_size,
+    return DataPlan(num_eligible=corpus.num_eligible, held_out=excluded, block_size=config.block_rows,
                     anchors_per_seq=config.data.anchors_per_seq, tokens_per_step=config.data.tokens_per_step,
                     seed=config.data.seed, world_size=world_size)
 
@@ -540,15 +540,15 @@ def _same_cpu_threads(state: dict, device: torch.device) -> None:
 def _read(run: Run, feed: BatchFeed, plan: DataPlan, stream: int, step_in_stream: int) -> Sent:
     """Read this rank's batch of `plan`'s step `step_in_stream` of `stream` into `feed`'s next
     slot and start its copy to the device."""
-    B = run.config.model.block_size
-    labels = run.drafter_config.num_drafts + 1  # the block the labels are read for: B, or B + 1 (DSpark)
+    kind = drafters.of_config(run.drafter_config)
+    labels = run.drafter_config.num_drafts + 1  # the block the labels are read for: the anchor and its drafts
 
     def read(staging):
         batch = read_batch(run.corpus, plan.segments(stream, step_in_stream, run.rank), stream=stream,
                            plan_anchors=run.config.data.anchors_per_seq, seed=run.config.data.seed,
                            block_size=labels, gamma=run.gamma, mask_token_id=run.drafter_config.mask_token_id,
                            staging=staging)
-        return dspark.anchor_batch(batch, B) if labels != B else batch
+        return kind.training_batch(batch, run.drafter_config)
 
     return feed.read(read)
 
@@ -563,7 +563,7 @@ def _receive(run: Run, feed: BatchFeed, sent: Sent):
     """(batch, layout) on the device, for the current stream: the layout's index tensors come
     with the batch (no host-to-device copy that would wait for the device's queue)."""
     batch = feed.receive(sent)
-    B = run.config.model.block_size
+    B = run.config.block_rows
     context_lengths = [length for length, _ in batch.segments]
     num_blocks = [len(anchors) for _, anchors in batch.segments]
     layout = BlockLayout(
@@ -585,36 +585,54 @@ def forward_loss(run: Run, batch, layout: BlockLayout) -> tuple[torch.Tensor, to
     return _loss(rows, run.head, batch, run.config.loss, run.model)
 
 
-def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model: DFlashDrafter | None = None):
-    """(summed weighted loss, student argmax [N] in token ids) for the labelled rows, logits
-    never formed; a draft vocabulary's head scores the teacher remapped to its rows. A DSpark
-    `model` adds its Markov bias through [rows; markov_w1[prev]] and [head; markov_w2]
-    (train/dspark.py), and its confidence head's loss."""
-    ids, logprobs, weights = batch.topk_ids, batch.topk_logprobs, batch.weights
-    embed, backbone_rows = None, rows
-    frozen_columns = 0  # the head's columns that get no gradient: DSpark's frozen lm_head before markov_w2
-    if model is not None and dspark.is_dspark(model):
-        frozen_columns = rows.shape[1]
-        rows, weight, embed = dspark.loss_operands(model, rows, head, batch.label_tokens)
-        head = dataclasses.replace(head, lm_head=weight)
+def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model: DFlashDrafter):
+    """(summed weighted loss, student argmax [N] in token ids) for the labelled rows [N, H],
+    logits never formed: the kind's loss operands (train/drafters/), the teacher on the
+    operands' head, the distillation loss, and the kind's own heads' loss."""
+    kind = drafters.of(model)
+    operands = kind.loss_operands(model, rows, head, batch)
+    teacher = _teacher(batch, operands.head)
+    loss, argmax = _distill(operands, teacher, config)
+    extra = kind.extra_loss(model, operands, rows, teacher.ids, teacher.logprobs, teacher.weights)
+    return (loss if extra is None else loss + extra), argmax
+
+
+@dataclass
+class Teacher:
+    """The target on a head's rows: top-k ids [N, k] (rows of the head), log-probs [N, k],
+    top-1 [N] and the rows' weights [N]."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    top1: torch.Tensor
+    weights: torch.Tensor
+
+
+def _teacher(batch, head: TargetHead) -> Teacher:
+    """The batch's teacher in `head`'s rows: a draft vocabulary's head scores the teacher
+    remapped to its rows (a row whose teacher lies outside them weighs 0)."""
     if head.draft_ids is None:
-        top1 = _top1(batch)
-    else:
-        ids, logprobs, top1, live = draft_vocab.remap_teacher(ids, logprobs, head)
-        weights = torch.where(live, weights, 0.0)
+        return Teacher(batch.topk_ids, batch.topk_logprobs, _top1(batch), batch.weights)
+    ids, logprobs, top1, live = draft_vocab.remap_teacher(batch.topk_ids, batch.topk_logprobs, head)
+    return Teacher(ids, logprobs, top1, torch.where(live, batch.weights, 0.0))
+
+
+def _distill(operands: drafters.LossOperands, teacher: Teacher,
+             config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed weighted loss, argmax [N] in token ids): the fused sparse KL (and CE) of the
+    operands' logits against the teacher."""
+    rows, weight, frozen = operands.rows, operands.head.lm_head, operands.frozen_columns
+    ids, logprobs, top1, weights = teacher.ids, teacher.logprobs, teacher.top1, teacher.weights
     if config.loss == "ce":
         # k = 1 with log-prob 0 on the target's top-1: the tail bucket is empty, the row is CE.
-        loss, argmax = sparse_kl_loss(rows, head.lm_head, top1[:, None], torch.zeros_like(logprobs[:, :1]),
-                                      weights, tail="bucket", reduction="sum", return_argmax=True,
-                                      weight_grad_from=frozen_columns)
+        loss, argmax = sparse_kl_loss(rows, weight, top1[:, None], torch.zeros_like(logprobs[:, :1]), weights,
+                                      tail="bucket", reduction="sum", return_argmax=True, weight_grad_from=frozen)
     else:
         ce_weight = config.ce_weight if config.loss == "kl+ce" else 0.0
-        loss, argmax = sparse_kl_loss(rows, head.lm_head, ids, logprobs, weights, tail="bucket", reduction="sum",
+        loss, argmax = sparse_kl_loss(rows, weight, ids, logprobs, weights, tail="bucket", reduction="sum",
                                       ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
-                                      return_argmax=True, weight_grad_from=frozen_columns)
-    if embed is not None and model.confidence_head is not None:
-        loss = loss + dspark.confidence_loss(model, backbone_rows, embed, rows, head.lm_head, ids, logprobs, weights)
-    return loss, head.to_target(argmax)
+                                      return_argmax=True, weight_grad_from=frozen)
+    return loss, operands.head.to_target(argmax)
 
 
 def _top1(batch) -> torch.Tensor:
@@ -624,9 +642,9 @@ def _top1(batch) -> torch.Tensor:
 
 def _step_figures(run: Run, batch, loss_sum: torch.Tensor, argmax: torch.Tensor,
                   weight_sum: torch.Tensor) -> tuple[float, list[float | None]]:
-    """(global weighted mean loss, accuracy per drafting block position: 1..B-1, DSpark 0..B-1)
+    """(global weighted mean loss, accuracy per drafting block position: the kind's first to B-1)
     of a step (collective)."""
-    B = run.config.model.block_size
+    B = run.config.block_rows
     first = B - run.drafter_config.num_drafts  # the first block position that drafts
     hit = argmax == _top1(batch)  # [N] bool: greedy draft equals the target's top-1
     correct = torch.bincount(batch.label_positions, weights=hit.double(), minlength=B)
@@ -746,8 +764,8 @@ def evaluate_held_out(run: Run) -> dict:
     token counts 1). When the cache holds the target's own greedy continuations this is the
     online greedy acceptance for those anchors.
     """
-    B, plan, device = run.config.model.block_size, run.eval_plan, run.device
-    first = B - run.drafter_config.num_drafts  # the first block position that drafts (DSpark: 0)
+    B, plan, device = run.config.block_rows, run.eval_plan, run.device
+    first = B - run.drafter_config.num_drafts  # the first block position that drafts
     steps = min(plan.steps_per_epoch, math.ceil(run.config.eval.eval_tokens / run.config.data.tokens_per_step))
     was_training = run.wrapped.training
     run.wrapped.eval()

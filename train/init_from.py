@@ -48,6 +48,7 @@ import torch
 
 from dflash.common.files import file_sha256, write_json_atomic
 from dflash.shards.target_info import TargetInfo
+from dflash.train import drafters
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.identity import RUN_INFO_FILE, read_run_info
 from dflash.train.mask_token import mask_token_refusal
@@ -97,7 +98,7 @@ class InitSource:
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> InitSource:
         return cls(path=record["path"], kind=record["kind"], weights=record["weights"],
-                   weights_sha256=record["weights_sha256"], config=DrafterConfig.from_dict(record["config"]),
+                   weights_sha256=record["weights_sha256"], config=drafters.config_from_dict(record["config"]),
                    target_fingerprint=record.get("target_fingerprint"))
 
 
@@ -122,7 +123,7 @@ def read_source(path: str | Path) -> InitSource:
     else:
         raise ValueError(f"--init-from {path}: not a drafter folder (config.json + model.safetensors), a run "
                          "folder of dflash-train fit, nor a RUN/checkpoints/step-N folder")
-    config = DrafterConfig.from_dict(json.loads((run / "drafter_config.json").read_text()))
+    config = drafters.config_from_dict(json.loads((run / "drafter_config.json").read_text()))
     config = dataclasses.replace(config, feature_width=None, feature_basis_sha256=None)  # folded in load_state
     return InitSource(path=str(path), kind="checkpoint", weights=str(checkpoint / "model.safetensors"),
                       weights_sha256=file_sha256(checkpoint / "model.safetensors"), config=config,
@@ -262,10 +263,10 @@ def warm_start(drafter: DFlashDrafter, state: dict[str, torch.Tensor], source_co
     # source's, if it had one, is not carried over.
     state = {name: t for name, t in state.items() if name not in DRAFT_BUFFERS}
     state.update({name: t for name, t in drafter.state_dict().items() if name in DRAFT_BUFFERS})
-    # DSpark heads (train/dspark.py): a DFlash source warm-starts a DSpark drafter's backbone,
-    # whose heads keep their fresh initial weights; a DSpark source's heads go to a DSpark
-    # drafter only, and a DFlash drafter drops them.
-    heads = ("markov_head.", "confidence_head.")
+    # A kind's heads (train/drafters/): a source without them warm-starts the drafter's
+    # backbone, whose heads keep their fresh initial weights; a source's heads go to a drafter
+    # that has them only, and one without drops them.
+    heads = drafters.head_prefixes()
     own = drafter.state_dict()
     state = {name: t for name, t in state.items() if not name.startswith(heads) or name in own}
     state.update({name: t for name, t in own.items() if name.startswith(heads) and name not in state})

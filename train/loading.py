@@ -18,13 +18,11 @@ from typing import Any
 
 import torch
 
+from dflash.train import drafters
 from dflash.train.checkpoint import latest_checkpoint
-from dflash.train.dspark import make_drafter
 from dflash.train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
 from dflash.train.run_folder import CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, RUN_CONFIG_FILE, STATE_FILE, WEIGHTS_FILE
 
-ARCHITECTURE = "DFlashDraftModel"
-DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's qwen3_dspark loader (train/dspark.py)
 # The exported folder's files (export.py adds its model card, README.md).
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -60,7 +58,7 @@ def load_drafter(run: str | Path | None, checkpoint: str | Path | None = None, *
                          "exported drafter folder")
     run = Path(run)
     fit_config = _read_json(run / RUN_CONFIG_FILE)
-    drafter_config = DrafterConfig.from_dict(_read_json(run / DRAFTER_CONFIG_FILE))
+    drafter_config = drafters.config_from_dict(_read_json(run / DRAFTER_CONFIG_FILE))
     if checkpoint is None:
         checkpoint = latest_checkpoint(run)
         if checkpoint is None:
@@ -71,7 +69,7 @@ def load_drafter(run: str | Path | None, checkpoint: str | Path | None = None, *
     if not weights.is_file():
         raise ValueError(f"{weights} does not exist: --checkpoint takes a RUN/{CHECKPOINTS_DIR}/step-N folder "
                          "or an exported drafter folder")
-    drafter = make_drafter(drafter_config)
+    drafter = drafters.make(drafter_config)
     load_weights(drafter, load_file(str(weights)), weights)
     state = _read_json(checkpoint / STATE_FILE) if (checkpoint / STATE_FILE).is_file() else {}
     return LoadedDrafter(drafter.to(device), checkpoint, state.get("step"), fit_config)
@@ -96,15 +94,8 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
     if dflash2:
         raise ValueError(f"{where}: the checkpoint sets {dflash2} (architectures {data.get('architectures')!r}): "
                          "DFlash2's local convolutions and candidate selector are not implemented here")
-    architectures = data.get("architectures") or []
-    is_dspark = DSPARK_ARCHITECTURE in architectures
-    if ARCHITECTURE not in architectures and not is_dspark:
-        raise ValueError(f"{where}: architectures is {architectures!r}, not [{ARCHITECTURE!r}] "
-                         f"or [{DSPARK_ARCHITECTURE!r}]")
-    if is_dspark and (data.get("sample_from_anchor", True) is not True or data.get("markov_rank") is None
-                      or (data.get("enable_confidence_head") and not data.get("confidence_head_with_markov"))):
-        raise ValueError(f"{where}: this DSpark drafter implements sample_from_anchor true, a markov_rank, and a "
-                         "confidence head with the Markov embedding; the checkpoint sets otherwise")
+    kind = drafters.of_hf(data, where)
+    kind.check_hf(data, where)  # the kind's block layout and heads
     unsupported = {
         "attention_bias": bool(data.get("attention_bias")),
         "rope_parameters.rope_type": (data.get("rope_parameters") or {}).get("rope_type", "default") != "default",
@@ -116,7 +107,6 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         "dflash_config.input_embedding_scale": float(pick("input_embedding_scale", 1.0)) != 1.0,
         "dflash_config.output_multiplier": float(pick("output_multiplier", 1.0)) != 1.0,
         "dflash_config.final_logit_softcapping": bool(pick("final_logit_softcapping")),
-        "dflash_config.sample_from_anchor": bool(pick("sample_from_anchor")) and not is_dspark,  # DSpark's layout
         "is_neox_style": not data.get("is_neox_style", True),
         "logit_scale": float(data.get("logit_scale", 1.0)) != 1.0,
         "target_hidden_size": data.get("target_hidden_size") not in (None, data.get("hidden_size")),
@@ -132,7 +122,7 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
             raise ValueError(f"{where}: dflash_config.{name} is missing")
     rope_theta = (data.get("rope_parameters") or {}).get("rope_theta", data.get("rope_theta", 10000.0))
     heads = int(data["num_attention_heads"])
-    return DrafterConfig(
+    return kind.config_from_hf(dict(
         hidden_size=int(data["hidden_size"]),
         intermediate_size=int(data["intermediate_size"]),
         num_hidden_layers=int(data["num_hidden_layers"]),
@@ -142,7 +132,7 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         vocab_size=int(data["vocab_size"]),
         target_layer_ids=[int(i) for i in pick("target_layer_ids")],
         num_target_layers=int(pick("num_target_layers", max(pick("target_layer_ids")) + 1)),
-        block_size=int(pick("block_size", 16)),
+        num_drafts=kind.num_drafts(int(pick("block_size", 16))),  # vLLM's block_size: the kind's rows
         mask_token_id=int(pick("mask_token_id")),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
@@ -150,12 +140,10 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
         initializer_range=float(data.get("initializer_range", 0.02)),
         draft_vocab_size=None if data.get("draft_vocab_size") in (None, data["vocab_size"])
         else int(data["draft_vocab_size"]),
-        markov_rank=int(data["markov_rank"]) if is_dspark else None,
-        confidence_head=bool(data.get("enable_confidence_head")) if is_dspark else False,
         layer_types=layer_types,
         sliding_window=sliding_window,
         is_causal=is_causal,
-    )
+    ), data)
 
 
 def attention_layout(data: dict[str, Any], where: str) -> tuple[list[str] | None, int | None, bool | None]:
@@ -218,7 +206,7 @@ def load_exported(path: str | Path, *, device: torch.device | str = "cpu",
 
     path = Path(path)
     config = drafter_config_from_hf(json.loads((path / HF_CONFIG_FILE).read_text()), str(path / HF_CONFIG_FILE))
-    drafter = make_drafter(config)
+    drafter = drafters.make(config)
     load_weights(drafter, read_draft_vocab(load_file(str(path / HF_WEIGHTS_FILE)), path / HF_WEIGHTS_FILE),
                  path / HF_WEIGHTS_FILE)
     return drafter.to(device=device, dtype=dtype)
@@ -241,6 +229,6 @@ def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: 
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-__all__ = ["ARCHITECTURE", "DFLASH2_FIELDS", "DSPARK_ARCHITECTURE", "HF_CONFIG_FILE",
+__all__ = ["DFLASH2_FIELDS", "HF_CONFIG_FILE",
            "attention_layout", "HF_WEIGHTS_FILE", "LoadedDrafter", "drafter_config_from_hf",
            "is_exported", "load_drafter", "load_exported", "load_weights", "read_draft_vocab"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -56,7 +56,12 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # Hug
 
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Shape of the drafter; the attention and MLP sizes default to the target's."""
+    """Shape of the drafter; the attention and MLP sizes default to the target's. A drafter
+    kind with fields of its own subclasses it (train/drafters/)."""
+
+    kind: ClassVar[str | None] = None
+    """The registry name of the kind whose config this class is (train/drafters/); None: the
+    default kind, and `to_dict` writes no `kind` (a config as written before kinds had names)."""
 
     hidden_size: int
     """Model width; must equal the target's hidden size (the embedding and LM head are shared)."""
@@ -76,8 +81,10 @@ class DrafterConfig:
     """Target decoder layers whose outputs feed the drafter, in cache order."""
     num_target_layers: int
     """Decoder layers of the target (recorded for export)."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor plus block_size - 1 predictions."""
+    num_drafts: int = 15
+    """Tokens one block drafts per verify (vLLM's num_speculative_tokens); the verify checks
+    num_drafts + 1 tokens, the drafts and the target's bonus token. The drafter rows a block
+    takes are the kind's (train/drafters/: `block_rows`)."""
     mask_token_id: int
     """Token id whose (frozen) embedding fills the block positions after the anchor."""
     rms_norm_eps: float = 1e-6
@@ -97,13 +104,6 @@ class DrafterConfig:
     """Rows of the drafter's own head when it drafts from a draft vocabulary (the buffers
     `draft_head`, the target LM head's rows of those tokens, and `draft_ids`, their target
     ids; train/draft_vocab.py); None: it scores the target's whole head."""
-    markov_rank: int | None = None
-    """DSpark (train/dspark.py): rank r of the Markov head (markov_w1 [V, r], markov_w2
-    [V_draft, r]); None: a DFlash drafter. A DSpark block is the anchor and block_size - 1
-    masks, and every position predicts the next token (block_size drafts)."""
-    confidence_head: bool = False
-    """DSpark: also a confidence head (a linear map of [hidden; markov_w1[previous token]] to
-    the logit of the position's acceptance probability)."""
     layer_types: list[str] | None = None
     """Attention of each layer, "full_attention" or "sliding_attention" (Hugging Face's names);
     None: every layer full_attention."""
@@ -127,8 +127,8 @@ class DrafterConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DrafterConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.block_size < 2:
-            raise ValueError(f"DrafterConfig.block_size must be >= 2 (anchor + predictions), got {self.block_size}")
+        if self.num_drafts < 1:
+            raise ValueError(f"DrafterConfig.num_drafts must be >= 1, got {self.num_drafts}")
         if not self.target_layer_ids:
             raise ValueError("DrafterConfig.target_layer_ids is empty: the drafter needs target features")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -143,10 +143,6 @@ class DrafterConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
             raise ValueError(f"draft_vocab_size must lie in [1, {self.vocab_size}) (the target's vocabulary), got "
                              f"{self.draft_vocab_size}: drop --draft-vocab to draft from the whole vocabulary")
-        if self.markov_rank is not None and self.markov_rank < 1:
-            raise ValueError(f"DrafterConfig.markov_rank must be >= 1 (or None for DFlash), got {self.markov_rank}")
-        if self.confidence_head and self.markov_rank is None:
-            raise ValueError("DrafterConfig.confidence_head is a DSpark head: set markov_rank too")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.layer_types is not None:
             self.layer_types = [str(t) for t in self.layer_types]
@@ -170,12 +166,6 @@ class DrafterConfig:
         return (self.sliding_window if sliding else None), (sliding if self.is_causal is None else self.is_causal)
 
     @property
-    def num_drafts(self) -> int:
-        """Tokens one block drafts: block_size - 1 (DFlash: the anchor is the bonus token), or
-        block_size (DSpark: the anchor's own position predicts too)."""
-        return self.block_size if self.markov_rank is not None else self.block_size - 1
-
-    @property
     def context_width(self) -> int:
         """Input width of fc: feature_width, or L*H raw target features."""
         return self.feature_width or len(self.target_layer_ids) * self.hidden_size
@@ -191,16 +181,18 @@ class DrafterConfig:
             del data["feature_width"], data["feature_basis_sha256"]
         if data["draft_vocab_size"] is None:  # so do whole-vocabulary drafters
             del data["draft_vocab_size"]
-        if data["markov_rank"] is None:  # and DFlash drafters
-            del data["markov_rank"], data["confidence_head"]
         for name in ("layer_types", "sliding_window", "is_causal"):  # and full bidirectional ones
             if data[name] is None:
                 del data[name]
+        if self.kind is not None:
+            data["kind"] = self.kind
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> DrafterConfig:
-        return cls(**data)
+        """This class's config from `to_dict`'s dict (its `kind` is the class's: train/drafters/
+        picks the class, `config_from_dict`)."""
+        return cls(**{name: value for name, value in data.items() if name != "kind"})
 
     @classmethod
     def from_target(
@@ -208,7 +200,7 @@ class DrafterConfig:
         target_dir: str | Path,
         *,
         num_hidden_layers: int = 5,
-        block_size: int = 16,
+        num_drafts: int = 15,
         mask_token_id: int | None = None,
     ) -> DrafterConfig:
         """Size a drafter for the target described by `CACHE/target/` (config.json, target.json).
@@ -234,7 +226,7 @@ class DrafterConfig:
             vocab_size=target.vocab_size,
             target_layer_ids=list(target.layer_ids),
             num_target_layers=target.num_layers,
-            block_size=block_size,
+            num_drafts=num_drafts,
             mask_token_id=choose_mask_token_id(target, target_dir) if mask_token_id is None else mask_token_id,
             rms_norm_eps=float(target.rms_norm_eps or hf_text.get("rms_norm_eps") or 1e-6),
             rope_theta=float(rope_theta),
@@ -795,8 +787,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float) -> float:
-    """Training FLOPs (forward + backward, 3x forward) per block token, for MFU.
+def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float, block_rows: int | None = None) -> float:
+    """Training FLOPs (forward + backward, 3x forward) per block token, for MFU; a block of
+    `block_rows` rows (the kind's, train/drafters/; default the verify size, num_drafts + 1).
 
     Counts the layers' matmuls on block tokens and attention over `mean_context_per_query`
     visible keys (a sliding layer's at most its window's); context projections (fc and
@@ -804,12 +797,13 @@ def model_flops_per_token(config: DrafterConfig, mean_context_per_query: float) 
     inside the loss (counted by the caller).
     """
     c = config
+    rows = c.num_drafts + 1 if block_rows is None else block_rows
     h, hd = c.hidden_size, c.head_dim
     per_layer = 2 * h * (c.num_attention_heads * hd) * 2 + 2 * h * (c.num_key_value_heads * hd) * 2 \
         + 3 * 2 * h * c.intermediate_size
     kinds = c.layer_types or [FULL_ATTENTION] * c.num_hidden_layers
-    keys = sum(min(mean_context_per_query + c.block_size, c.sliding_window) if kind == SLIDING_ATTENTION
-               else mean_context_per_query + c.block_size for kind in kinds)
+    keys = sum(min(mean_context_per_query + rows, c.sliding_window) if kind == SLIDING_ATTENTION
+               else mean_context_per_query + rows for kind in kinds)
     return 3.0 * (c.num_hidden_layers * per_layer + 2 * 2 * c.num_attention_heads * hd * keys)
 
 

@@ -97,7 +97,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.shards import hidden_state_index
-from dflash.train.dspark import is_dspark, sequential_drafts
+from dflash.train import drafters
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
 from dflash.train.target_cache import cache_kwarg, record_past, rollback, target_family
 
@@ -228,17 +228,20 @@ class DrafterProposer:
 
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
+        return self.draft(anchor_token, block_size).tokens[0].tolist()
+
+    @torch.inference_mode()
+    def draft(self, anchor_token: int, block_size: int, *, margins: bool = False) -> drafters.Drafts:
+        """`propose`'s drafts of one block (tokens [1, block_size - 1]), and each draft's top-1
+        minus top-2 logit when `margins`: the kind's block (train/drafters/) through the
+        decoding loop's small-row product."""
         device = self.head.embed_tokens.device
-        dspark = is_dspark(self.drafter)  # its block: the anchor and block_size - 2 masks, all drafting
-        queries = block_size - 1 if dspark else block_size
-        block = torch.full((1, queries), self.mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        kind = drafters.of(self.drafter)
+        rows = kind.block_rows(block_size - 1)
+        block = torch.full((1, rows), self.mask_token_id, dtype=torch.long, device=device)  # [1, rows]
         block[0, 0] = anchor_token
-        hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, B, H]
-        if dspark:
-            return sequential_drafts(self.drafter, hidden, block[:, 0], self.head, linear=rows_linear)[0].tolist()
-        lm_head = self.head.lm_head.to(hidden.dtype)  # [V, H] (a draft vocabulary: [V_d, H])
-        logits = rows_linear(hidden[0, 1:], lm_head)  # [B-1, V]: the decoding loop's small-row product
-        return self.head.to_target(logits.argmax(-1)).tolist()
+        hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, rows, H]
+        return kind.draft(self.drafter, hidden, block[:, 0], self.head, linear=rows_linear, margins=margins)
 
 
 class MatchSampler:

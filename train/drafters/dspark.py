@@ -1,4 +1,4 @@
-"""The DSpark drafter: the DFlash backbone, a low-rank Markov head and an optional confidence head.
+"""The DSpark drafter kind: the DFlash backbone, a low-rank Markov head and an optional confidence head.
 
 DSpark (deepseek-ai/DeepSpec) keeps the DFlash drafter (train/model.py) and makes each draft
 see the one before it. The semantics are vLLM's `qwen3_dspark.py` and its DSpark speculator
@@ -18,7 +18,7 @@ see the one before it. The semantics are vLLM's `qwen3_dspark.py` and its DSpark
   probability that draft i is accepted (vLLM's `confidence_head_with_markov`); vLLM reads it
   for adaptive verification only, never for the drafts themselves.
 
-Training (train/fit.py): the previous token is teacher-forced, t_i = x[a+i], the cached
+Training (train/fit.py, through `DSparkKind`): the previous token is teacher-forced, t_i = x[a+i], the cached
 sequence's own token, as speculators' DSpark trains it. The Markov bias then enters the same
 fused sparse-KL loss as the backbone's logits, through concatenation:
 `[h; e] @ [W_head; markov_w2]^T = h W_head^T + markov_w2 e` with e = markov_w1[t] ([N, r]),
@@ -36,12 +36,44 @@ confidence head alone.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
+
+
+@dataclass(kw_only=True)
+class DSparkConfig(DrafterConfig):
+    """A DSpark drafter's config: DFlash's and its heads'. A block is the anchor and
+    num_drafts - 1 masks, and every position predicts the next token (num_drafts drafts)."""
+
+    kind: ClassVar[str | None] = "dspark"
+    markov_rank: int
+    """Rank r of the Markov head (markov_w1 [V, r], markov_w2 [V_draft, r])."""
+    confidence_head: bool = False
+    """Also a confidence head (a linear map of [hidden; markov_w1[previous token]] to the logit
+    of the position's acceptance probability)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.markov_rank < 1:
+            raise ValueError(f"DSparkConfig.markov_rank must be >= 1, got {self.markov_rank}")
+
+
+@dataclass(kw_only=True)
+class DSparkOptions:
+    """`dflash-train fit`'s options of `--drafter dspark`."""
+
+    markov_rank: int = 256
+    """dspark: rank of the Markov head (markov_w1 [vocab, rank], markov_w2 [draft vocab, rank])."""
+    confidence_head: bool = False
+    """dspark: also train a confidence head (each draft's acceptance probability, for vLLM's
+    adaptive verification), by cross-entropy towards the drafter's overlap with the target's top-k."""
 
 
 class MarkovHead(nn.Module):
@@ -82,8 +114,7 @@ class DSparkDrafter(DFlashDrafter):
     output rows (`sequential_drafts` at inference, train/fit.py's loss in training).
     """
 
-    def __init__(self, config: DrafterConfig, **kwargs):
-        assert config.markov_rank is not None, "a DSpark drafter needs markov_rank"
+    def __init__(self, config: DSparkConfig, **kwargs):
         super().__init__(config, **kwargs)
         r = config.markov_rank
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size or config.vocab_size, r)
@@ -104,15 +135,6 @@ class DSparkDrafter(DFlashDrafter):
         super().reset_parameters()
         if hasattr(self, "markov_head"):  # (DFlashDrafter.__init__ calls this before the heads exist)
             self.reset_heads()
-
-
-def make_drafter(config: DrafterConfig, **kwargs) -> DFlashDrafter:
-    """The drafter `config` describes: DSparkDrafter when it has a markov_rank, else DFlashDrafter."""
-    return (DSparkDrafter if config.markov_rank is not None else DFlashDrafter)(config, **kwargs)
-
-
-def is_dspark(drafter: nn.Module) -> bool:
-    return isinstance(drafter, DSparkDrafter)
 
 
 # -- training ------------------------------------------------------------------------------
@@ -180,6 +202,11 @@ def sequential_drafts(drafter: DSparkDrafter, hidden: torch.Tensor, anchors: tor
     (x [m, H], w [V, H]) -> [m, V] computes the backbone's logits (default: a float32 matmul).
     Returns [n, N] target ids.
     """
+    return _sequential(drafter, hidden, anchors, head, linear, margins=False).tokens
+
+
+def _sequential(drafter: DSparkDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead,
+                linear: Any, margins: bool) -> Drafts:
     n, N, H = hidden.shape
     weight = head.lm_head
     if linear is None:
@@ -188,13 +215,142 @@ def sequential_drafts(drafter: DSparkDrafter, hidden: torch.Tensor, anchors: tor
         base = linear(hidden.reshape(n * N, H), weight.to(hidden.dtype)).float()
     base = base.view(n, N, -1)
     prev = anchors.long()
-    drafts = []
+    drafts, gaps = [], []
     for i in range(N):
         logits = base[:, i] + drafter.markov_head.bias(drafter.markov_head.embed(prev))  # [n, V_draft]
         prev = head.to_target(logits.argmax(-1))  # [n] target ids
         drafts.append(prev)
-    return torch.stack(drafts, dim=1)
+        if margins:
+            top = logits.topk(2, dim=-1).values  # [n, 2]
+            gaps.append(top[:, 0] - top[:, 1])
+    return Drafts(tokens=torch.stack(drafts, dim=1), margins=torch.stack(gaps, dim=1) if margins else None)
 
 
-__all__ = ["ConfidenceHead", "DSparkDrafter", "MarkovHead", "anchor_batch", "confidence_loss", "is_dspark",
-           "loss_operands", "make_drafter", "sequential_drafts"]
+# -- the kind ------------------------------------------------------------------------------
+
+
+class DSparkKind(DrafterKind):
+    """DSpark: a block of the anchor and num_drafts - 1 masks, every row drafting (the anchor's
+    too), left to right through the Markov head; vLLM's `dspark` method on its V2 runner."""
+
+    name = "dspark"
+    title = "DSpark"
+    architecture = "Qwen3DSparkModel"  # vLLM's qwen3_dspark loader
+    vllm_method = "dspark"
+    vllm_runner = "V2"
+    config_class = DSparkConfig
+    options = DSparkOptions
+    head_prefixes = ("markov_head.", "confidence_head.")
+    default_num_drafts = 16  # a block of 16 rows, every one drafting
+    fsdp = False  # its heads act in the loss, outside FSDP2's forward
+
+    def check_options(self, options: Any, selected: bool) -> None:
+        if options.markov_rank < 1:
+            raise ValueError(f"fit config: markov_rank must be >= 1, got {options.markov_rank}")
+        if options.confidence_head and not selected:
+            raise ValueError("fit config: confidence_head is a DSpark head: add --drafter dspark or drop it")
+
+    def config_fields(self, options: Any) -> dict[str, Any]:
+        return {"markov_rank": options.markov_rank, "confidence_head": options.confidence_head}
+
+    def claims_legacy(self, data: dict[str, Any]) -> bool:
+        return data.get("markov_rank") is not None
+
+    def block_rows(self, num_drafts: int) -> int:
+        return num_drafts  # the anchor's row drafts too
+
+    def num_drafts(self, block_rows: int) -> int:
+        return block_rows
+
+    def make(self, config: DrafterConfig, **kwargs: Any) -> DFlashDrafter:
+        return DSparkDrafter(config, **kwargs)
+
+    def training_batch(self, batch: Any, config: DrafterConfig) -> Any:
+        return anchor_batch(batch, config.num_drafts)
+
+    def loss_operands(self, model: DFlashDrafter, rows: torch.Tensor, head: TargetHead, batch: Any) -> LossOperands:
+        """[rows; markov_w1[prev]] and [head; markov_w2]: the frozen head's columns get no gradient."""
+        frozen_columns = rows.shape[1]
+        rows, weight, embed = loss_operands(model, rows, head, batch.label_tokens)
+        return LossOperands(rows=rows, head=dataclasses.replace(head, lm_head=weight),
+                            frozen_columns=frozen_columns, extra=embed)
+
+    def extra_loss(self, model: DFlashDrafter, operands: LossOperands, backbone_rows: torch.Tensor,
+                   ids: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        if model.confidence_head is None:
+            return None
+        return confidence_loss(model, backbone_rows, operands.extra, operands.rows, operands.head.lm_head,
+                               ids, logprobs, weights)
+
+    def draft(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead, *,
+              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024) -> Drafts:
+        """Left to right, each draft's Markov bias from the one before (`sequential_drafts`)."""
+        return _sequential(drafter, hidden, anchors, head, linear, margins)
+
+    def hf_fields(self, config: DrafterConfig) -> dict[str, Any]:
+        """What vLLM's qwen3_dspark loader and DSpark speculator read beyond the DFlash fields:
+        the architecture, the Markov rank, the anchor-predicts layout, the confidence head, and
+        no top-k restriction of the Markov bias (dspark_draft_topk null: the bias over the whole
+        draft vocabulary, as trained)."""
+        return {
+            "markov_rank": config.markov_rank,
+            "sample_from_anchor": True,
+            "enable_confidence_head": config.confidence_head,
+            "confidence_head_with_markov": config.confidence_head,
+            "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+            "dspark_draft_topk": None,
+        }
+
+    def head_tensors(self, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        h, r, vocab = config["hidden_size"], config["markov_rank"], config["vocab_size"]
+        draft = config.get("draft_vocab_size") or vocab
+        shapes = {"markov_head.markov_w1.weight": (vocab, r), "markov_head.markov_w2.weight": (draft, r)}
+        if config.get("enable_confidence_head"):
+            extra = r if config.get("confidence_head_with_markov") else 0
+            shapes.update({"confidence_head.proj.weight": (1, h + extra), "confidence_head.proj.bias": (1,)})
+        return shapes
+
+    def check_hf(self, data: dict[str, Any], where: str) -> None:
+        if (data.get("sample_from_anchor", True) is not True or data.get("markov_rank") is None
+                or (data.get("enable_confidence_head") and not data.get("confidence_head_with_markov"))):
+            raise ValueError(f"{where}: this DSpark drafter implements sample_from_anchor true, a markov_rank, and a "
+                             "confidence head with the Markov embedding; the checkpoint sets otherwise")
+
+    def config_from_hf(self, fields: dict[str, Any], data: dict[str, Any]) -> DrafterConfig:
+        return DSparkConfig(**fields, markov_rank=int(data["markov_rank"]),
+                            confidence_head=bool(data.get("enable_confidence_head")))
+
+    def card_lines(self, config: DrafterConfig) -> list[str]:
+        c = config
+        return ["", f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the "
+                "DFlash backbone (`markov_head.markov_w1` [vocab, rank] embeds the previous token, "
+                "`markov_head.markov_w2` [draft vocab, rank] biases the draft logits), drafting left to right; its "
+                f"block is the anchor and {c.num_drafts - 1} masks, and every position predicts the next token: "
+                f"{c.num_drafts} drafts per verify of {c.num_drafts + 1}"
+                + (", with a confidence head (`confidence_head.proj`)." if c.confidence_head else ".")]
+
+    def serving_lines(self, config: DrafterConfig, target: str | None) -> list[str]:
+        """vLLM's `dspark` method, which runs on its V2 model runner."""
+        c = config
+        target, spec = vllm_placeholders(target, self.speculative_config(c))
+        return [
+            "## Serving",
+            "",
+            f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dspark` "
+            f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the drafts per "
+            f"verify, {c.num_drafts} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, "
+            "which on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
+            "",
+            "```bash",
+            f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
+            "```",
+            "",
+            "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.",
+        ]
+
+    def export_warning(self, folder_name: str) -> str | None:
+        return None  # the exported config's architecture names the method
+
+
+__all__ = ["ConfidenceHead", "DSparkConfig", "DSparkDrafter", "DSparkKind", "DSparkOptions", "MarkovHead",
+           "anchor_batch", "confidence_loss", "loss_operands", "sequential_drafts"]
