@@ -238,14 +238,14 @@ def load_check_prompts(target: Path, records: Path, cache: Path | None, *, keep:
     from dflash.common.records import iter_records, prompt_messages
     from dflash.shards import open_cache
     from dflash.train.chat_template import resolve_template_settings
-    from dflash.train.online import load_prompts
+    from dflash.train.online import ChatRenderer, load_prompts
 
     opened = None if cache is None else open_cache(cache)
     kwargs, template = resolve_template_settings(opened, None, None)
     if opened is not None:
         opened.close()
-    found, rejected = load_prompts(records, AutoTokenizer.from_pretrained(target), keep=keep, limit=limit,
-                                   chat_template=template, chat_template_kwargs=kwargs)
+    found, rejected = load_prompts(records, ChatRenderer(AutoTokenizer.from_pretrained(target), template, kwargs),
+                                   keep=keep, limit=limit)
     if rejected:
         raise ValueError(f"{records}: prompts rejected: {rejected[:3]}")
     wanted = {p.source["index"] for p in found}
@@ -285,9 +285,9 @@ def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, 
     checkpoint: loaded as `eval --online` loads it (a basis folded for raw features), its
     weights rounded to the export's `dtype` and computed in float32, beside a float32 target."""
     from dflash.train.basis import match_features
-    from dflash.train.evaluate import load_target
     from dflash.train.loading import load_drafter
     from dflash.train.model import TargetHead
+    from dflash.train.online import load_target
 
     loaded = load_drafter(run)
     drafter = match_features(loaded.drafter, None, (loaded.fit_config or {}).get("cache") or [])
@@ -800,9 +800,10 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     notes: eval does not keep the drafter's margins). The export is float32 by default, the
     weights eval decodes: a bfloat16 export's rounding tips drafter near-ties (on the 768/1200
     demo's drafter, one step of 391 differed in bfloat16, none in float32)."""
-    from dflash.train.evaluate import EvalConfig, load_target, run_eval
+    from dflash.train.evaluate import EvalConfig, run_eval
     from dflash.train.export import export_run
     from dflash.train.loading import load_exported
+    from dflash.train.online import load_target
     from dflash.train.speculative import greedy_generate
 
     work.mkdir(parents=True, exist_ok=True)

@@ -97,8 +97,8 @@ def dflash_sampled(target: Path, run: Path, prompt_ids: list[list[int]], *, seed
                    max_new_tokens: int, block_size: int, dtype: str) -> list[dict[str, Any]]:
     """Per (prompt, seed), prompt-major: dflash's sampled speculative decoding, its tokens and
     per-verify accepted drafts."""
-    from dflash.train.online import turn_seed
-    from dflash.train.speculative import DrafterProposer, MatchSampler, speculative_generate
+    from dflash.train.online import DrafterProposer, turn_seed
+    from dflash.train.speculative import MatchSampler, speculative_generate
 
     drafter, model, head, stops = load_reference(target, run, dtype)
     proposer = DrafterProposer(drafter, head)

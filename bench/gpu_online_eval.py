@@ -122,14 +122,10 @@ def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, 
     """evaluate_online with target and drafter in `dtype`; attention "decoding" (the eval's) or
     "torch default" (cuDNN's allowed: `speculative.decoding_attention` replaced for the row)."""
     from dflash.train import speculative
-    from dflash.train.model import TargetHead
-    from dflash.train.online import evaluate_online
-    from dflash.train.speculative import DrafterProposer
+    from dflash.train.online import drafter_proposer, evaluate_online
 
     target.to(dtype)
-    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
-                      lm_head=target.get_output_embeddings().weight.detach())
-    proposer = DrafterProposer(drafter.to(dtype), head)
+    proposer = drafter_proposer(drafter.to(dtype), target)
     kept = speculative.decoding_attention
     if attention == "torch default":
         speculative.decoding_attention = lambda device: contextlib.nullcontext()

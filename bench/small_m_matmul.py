@@ -75,7 +75,7 @@ def forward_rows(target_dir: str, repeats: int, context: int = 64) -> list[dict]
             block = torch.randint(0, model.config.vocab_size, (1, m))
 
             def step(decoding=decoding, block=block, m=m):
-                routed = decoding_linear(torch.device("cpu")) if decoding else contextlib.nullcontext()
+                routed = decoding_linear(model) if decoding else contextlib.nullcontext()
                 with torch.inference_mode(), routed:
                     kv = DynamicCache(config=model.config)
                     model(prompt, past_key_values=kv, use_cache=True)

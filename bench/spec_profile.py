@@ -84,11 +84,9 @@ def main() -> None:
 
     from dflash.common.records import iter_records
     from dflash.train.data import held_out_mask
-    from dflash.train.evaluate import load_target
     from dflash.train.loading import load_drafter
-    from dflash.train.model import TargetHead
-    from dflash.train.online import load_prompts
-    from dflash.train.speculative import DrafterProposer, greedy_generate, speculative_generate
+    from dflash.train.online import ChatRenderer, drafter_proposer, load_prompts, load_target
+    from dflash.train.speculative import greedy_generate, speculative_generate
 
     for path, what in ((args.target, "--target"), (args.run, "--run"), (args.prompts, "--prompts")):
         if not path.exists():
@@ -104,10 +102,9 @@ def main() -> None:
     target, tokenizer, stop = load_target(args.target, drafter, device=torch.device("cpu"), dtype=torch.float32)
     num_records = sum(1 for _ in iter_records([args.prompts], flag="--prompts"))  # stage one's indices
     held = held_out_mask(num_records, fit.get("eval_fraction", 0.1), fit.get("seed", 0))
-    prompts, _ = load_prompts(args.prompts, tokenizer, keep=set(np.flatnonzero(held).tolist()), limit=args.limit)
+    prompts, _ = load_prompts(args.prompts, ChatRenderer(tokenizer), keep=set(np.flatnonzero(held).tolist()),
+                              limit=args.limit)
     prompts = prompts[: args.limit]
-    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
-                      lm_head=target.get_output_embeddings().weight.detach())
     layer_ids = drafter.config.target_layer_ids
     forwards: list[tuple[int, float]] = []
     timed_forward(target, forwards)
@@ -125,7 +122,7 @@ def main() -> None:
     one_token = [s for n, s in forwards if n == 1]
     rows = []
     for block_size in [int(b) for b in args.block_sizes.split(",")]:
-        proposer = TimedProposer(DrafterProposer(drafter, head))
+        proposer = TimedProposer(drafter_proposer(drafter, target))
         outputs, verify_s, spec_s = [], 0.0, 0.0
         for p in prompts:
             forwards.clear()

@@ -24,7 +24,7 @@ from dflash.train.acceptance import (
     target_top1,
 )
 from dflash.train.model import DFlashDrafter, DrafterContextCache, TargetHead
-from dflash.train.online import load_prompts
+from dflash.train.online import ChatRenderer, load_prompts
 
 V = 24  # vocabulary; the stubs' hidden size equals it so that the LM head can be the identity
 
@@ -266,12 +266,12 @@ def test_load_prompts_keeps_sources_and_rejects(tmp_path):
                     "not json\n"
                     '{"text": "doc"}\n'
                     '{"prompt": "q"}\n')
-    prompts, rejected = load_prompts(path, TemplateTokenizer())
+    prompts, rejected = load_prompts(path, ChatRenderer(TemplateTokenizer()))
     assert [p.source["index"] for p in prompts] == [0, 4]
     assert "".join(map(chr, prompts[0].token_ids)) == "user:hi\nassistant:"
     assert [(r["index"], r["reason"]) for r in rejected] == [
         (2, "invalid JSON: Expecting value on line 3"), (3, "a 'text' record has no user turn to use as a prompt")]
-    kept, _ = load_prompts(path, TemplateTokenizer(), keep={4})
+    kept, _ = load_prompts(path, ChatRenderer(TemplateTokenizer()), keep={4})
     assert [p.source["index"] for p in kept] == [4]
 
 
@@ -285,7 +285,7 @@ def test_prompt_indices_are_stage_ones_despite_unicode_line_separators(tmp_path)
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     assert [r.index for r in iter_records([path])] == [0, 1, 2]
-    prompts, rejected = load_prompts(path, TemplateTokenizer(), keep={1, 2})
+    prompts, rejected = load_prompts(path, ChatRenderer(TemplateTokenizer()), keep={1, 2})
     assert rejected == []
     assert [(p.source["index"], "".join(map(chr, p.token_ids))) for p in prompts] == [
         (1, "user:first held out\nassistant:"), (2, "user:second held out\nassistant:")]

@@ -113,14 +113,14 @@ def test_eval_errors_are_one_line(tmp_path):
 
 def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, max_new_tokens: int) -> None:
     """A cache of the target's greedy replies to every record's prompt (as stage one's --regenerate)."""
-    from dflash.train.online import load_prompts
+    from dflash.train.online import ChatRenderer, load_prompts
     from dflash.train.speculative import greedy_generate, target_features
 
     V, H = target.config.vocab_size, target.config.hidden_size
     spec = CacheSpec(vocab_size=V, hidden_size=H, layer_ids=LAYER_IDS, top_k=8, topk_codec="raw",
                      max_length=256, regenerated=True, generation_temperature=0.0,
                      target={"name": "tiny-chat", "model_type": "qwen3", "num_layers": 6})
-    prompts, _ = load_prompts(prompts_path, tokenizer)
+    prompts, _ = load_prompts(prompts_path, ChatRenderer(tokenizer))
     writer = CacheWriter(cache_dir, spec, rank=0, world_size=1)
     for prompt in prompts:
         reply = greedy_generate(target, prompt.token_ids, max_new_tokens=max_new_tokens,

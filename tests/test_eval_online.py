@@ -196,10 +196,10 @@ def test_evaluate_online_reports_a_mismatch(target, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17])
-def test_rows_linear_is_linear_and_only_inside_decoding(rows):
+def test_rows_linear_is_linear(rows):
     import torch.nn.functional as F
 
-    from dflash.train.speculative import decoding_linear, rows_linear
+    from dflash.train.speculative import rows_linear
 
     torch.manual_seed(0)
     x, weight, bias = torch.randn(1, rows, 41), torch.randn(1031, 41), torch.randn(1031)
@@ -208,12 +208,74 @@ def test_rows_linear_is_linear_and_only_inside_decoding(rows):
     assert torch.allclose(rows_linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5)
     if rows == 1:
         assert torch.equal(rows_linear(x, weight, bias), F.linear(x, weight, bias))
-    layer = torch.nn.Linear(41, 1031)
-    before = F.linear
-    with decoding_linear(torch.device("cpu")):
-        assert F.linear is rows_linear
-        assert torch.allclose(layer(x), rows_linear(x, layer.weight, layer.bias), rtol=0, atol=0)
-    assert F.linear is before
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 17])
+def test_a_routed_layer_gives_what_f_linear_gives(rows):
+    """Inside decoding_linear a layer computes through rows_linear: F.linear's values up to the
+    order of the sums (equal bit for bit at one row and past SMALL_ROWS, where rows_linear is
+    F.linear), and after the block it is torch's layer again."""
+    import torch.nn.functional as F
+
+    from dflash.train.speculative import SMALL_ROWS, decoding_linear, rows_linear
+
+    torch.manual_seed(0)
+    x, layer = torch.randn(1, rows, 41), torch.nn.Linear(41, 1031)
+    with torch.no_grad():
+        plain = F.linear(x, layer.weight, layer.bias)  # [1, rows, 1031]
+        with decoding_linear(layer):
+            routed = layer(x)
+            assert torch.equal(routed, rows_linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)  # float32 sums of 41 terms
+        if rows == 1 or rows > SMALL_ROWS:
+            assert torch.equal(routed, plain)
+        assert "forward" not in vars(layer) and torch.equal(layer(x), plain)
+
+
+def test_cpu_decoding_leaves_torch_linear_alone(target):
+    """While a CPU decode runs, torch.nn.functional.linear is torch's own (no process-wide swap:
+    every other model and thread computes as it would), yet the target's and the drafter's
+    layers compute through rows_linear; afterwards neither keeps a routed layer."""
+    torch_linear = torch.nn.functional.linear
+    proposer = untrained_proposer(target, 4)
+    drafter_layer = next(m for m in proposer.drafter.modules() if type(m) is torch.nn.Linear)
+    seen = []  # (which layer, F.linear is torch's, the layer routed) at every forward of either
+    hooks = [layer.register_forward_hook(
+        lambda module, args, out, name=name: seen.append(
+            (name, torch.nn.functional.linear is torch_linear, "forward" in vars(module))))
+        for name, layer in (("target", target.lm_head), ("drafter", drafter_layer))]
+    try:
+        prompt = prompt_ids(7, seed=8)
+        reference = greedy_generate(target, prompt, max_new_tokens=9, stop_token_ids=set())
+        out = speculative_generate(target, proposer, prompt, max_new_tokens=9, block_size=4,
+                                   layer_ids=LAYER_IDS, stop_token_ids=set())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.tokens == reference.tokens
+    assert {name for name, _, _ in seen} == {"target", "drafter"}
+    assert all(unswapped and routed for _, unswapped, routed in seen), seen
+    assert not any("forward" in vars(m) for model in (target, proposer.drafter) for m in model.modules())
+
+
+def test_decoding_linear_routes_only_plain_cpu_layers_and_nests():
+    """Left alone: a layer off the CPU (meta here, as CUDA would be: the small-row product is
+    a CPU matter), a subclass of nn.Linear (a quantized layer computes its own way) and a
+    layer whose instance already has its own forward, which an inner block leaves in place."""
+    from dflash.train.speculative import decoding_linear
+
+    class Subclass(torch.nn.Linear):
+        pass
+
+    cpu, meta, sub = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"), Subclass(4, 4)
+    model = torch.nn.Sequential(cpu, meta, sub)
+    with decoding_linear(model):
+        assert ["forward" in vars(m) for m in (cpu, meta, sub)] == [True, False, False]
+        outer = cpu.forward
+        with decoding_linear(model):
+            assert cpu.forward is outer
+        assert cpu.forward is outer
+    assert not any("forward" in vars(m) for m in (cpu, meta, sub))
 
 
 @pytest.mark.parametrize("transposed", [True, False])
@@ -380,17 +442,6 @@ def test_decoding_attention_leaves_out_cudnn_on_cuda_only(device, cudnn, caller_
         assert state() == before
     finally:
         flags.enable_flash_sdp(True)
-
-
-def test_the_small_row_product_stays_off_cuda():
-    """decoding_linear swaps F.linear on the CPU only: on CUDA torch's own F.linear runs."""
-    import torch.nn.functional as F
-
-    from dflash.train.speculative import decoding_linear
-
-    before = F.linear
-    with decoding_linear(torch.device("cuda")):
-        assert F.linear is before
 
 
 @pytest.mark.parametrize("near_tie, lossless_line, mismatch_line", [

@@ -17,8 +17,8 @@ puts the results together:
   sequences, so offline and online figures stand side by side on the same conversations;
   or, `--prompts NAME`, benchmark suites (train/suites.py), each decoded and reported apart
   (`result["suites"]`, a table with the suites as columns);
-- the target (`load_target`): a Hugging Face folder whose sizes match the drafter's, with its
-  stop tokens.
+- the target: a Hugging Face folder whose sizes match the drafter's, with its stop tokens
+  (`dflash.train.online.load_target`; everything online comes from that module).
 
 The report (`format_report`) is a short table; `--json` adds every figure as one JSON line.
 The figures are merged into RUN/eval/<checkpoint>.json (`--no-save`: not), where
@@ -44,17 +44,23 @@ from dflash.common.commands import DflashCommand
 from dflash.common.files import write_json_atomic
 from dflash.common.fingerprint import target_fingerprint
 from dflash.common.options import METAVAR, ONLY_ON, PATH, check_choices, config_options, given
-from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
 from dflash.train.acceptance import OfflineTotals, evaluate_offline
 from dflash.train.basis import match_features
 from dflash.train.identity import cache_fingerprint, check_same_target, read_run_info
 from dflash.train.loading import load_drafter
 from dflash.train.model import DFlashDrafter, TargetHead
-from dflash.train.online import ChatRenderer, evaluate_online, load_prompts, suite_prompts
+from dflash.train.online import (
+    ChatRenderer,
+    cache_stop_token_ids,
+    drafter_proposer,
+    evaluate_online,
+    load_prompts,
+    load_target,
+    rollback_refusal,
+    suite_prompts,
+)
 from dflash.train.run_folder import eval_results_path
-from dflash.train.speculative import DrafterProposer
 from dflash.train.suites import load_suite, suite_specs
-from dflash.train.target_cache import rollback_refusal
 
 
 @dataclass(kw_only=True)
@@ -208,47 +214,6 @@ def _check_cache(cache: Any, drafter: DFlashDrafter) -> None:
             f"vocabulary {c.vocab_size}: evaluate on a cache of the drafter's target")
 
 
-def _token_id_set(value: int | list[int] | tuple[int, ...] | None) -> set[int]:
-    """An `eos_token_id` field (one id, several, or none) as a set."""
-    return set(value) if isinstance(value, (list, tuple)) else set() if value is None else {value}
-
-
-def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
-    """The target's stop tokens as CACHE/target records them (the eos of target.json and of
-    generation_config.json, as online decoding stops on); None when neither names one."""
-    target_dir = Path(target_dir)
-    stops: set[int] = set()
-    if (target_dir / TARGET_INFO_FILE).is_file():
-        stops |= _token_id_set(TargetInfo.load(target_dir).eos_token_id)
-    generation = target_dir / "generation_config.json"
-    if generation.is_file():
-        stops |= _token_id_set(json.loads(generation.read_text()).get("eos_token_id"))
-    return stops or None
-
-
-def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer, stop token ids) of the target; ValueError if it does not fit the drafter."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--target {path}: no config.json; give a Hugging Face model folder")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    text_config = model.config.get_text_config()
-    c = drafter.config
-    found = (text_config.num_hidden_layers, text_config.hidden_size, model.get_input_embeddings().weight.shape[0])
-    if found != (c.num_target_layers, c.hidden_size, c.vocab_size):
-        raise ValueError(
-            f"--target {path} has {found[0]} layers, hidden {found[1]}, {found[2]} embedding rows; the "
-            f"drafter was trained for {c.num_target_layers}, {c.hidden_size}, {c.vocab_size}")
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = text_config.eos_token_id
-    stop = _token_id_set(eos)
-    return model, tokenizer, stop
-
-
 def _select(config: EvalConfig, loaded) -> tuple[list[tuple[Any, list[int]]], set | None]:
     """Which sequences to score offline ([(cache, indices)]) and, online with a cache, which
     prompt records to keep (their record keys; None: the first `limit` of the file)."""
@@ -378,9 +343,7 @@ def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, kee
     template_kwargs, template_text = resolve_template_settings(
         template_cache, config.chat_template_kwargs, config.chat_template)
     renderer = ChatRenderer(tokenizer, template_text, template_kwargs)
-    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
-                      lm_head=target.get_output_embeddings().weight.detach())
-    proposer = DrafterProposer(drafter.to(dtype), head)
+    proposer = drafter_proposer(drafter.to(dtype), target)
 
     def decode(prompts, desc: str) -> dict[str, Any]:
         bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not show_progress)
@@ -403,9 +366,8 @@ def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, kee
         return {"suites": [{"suite": name, "prompts": str(path or name), "rejected": [],
                             **decode(suite_prompts(load_suite(name, path, limit=config.limit), renderer), name)}
                            for name, path in specs]}
-    prompts, rejected = load_prompts(config.prompts, tokenizer, keep=keep,
-                                     limit=None if keep is not None else config.limit,
-                                     chat_template=template_text, chat_template_kwargs=template_kwargs)
+    prompts, rejected = load_prompts(config.prompts, renderer, keep=keep,
+                                     limit=None if keep is not None else config.limit)
     if not prompts:
         shown = "; ".join(f"line {r['index'] + 1}: {r['reason']}" for r in rejected[:3])
         raise ValueError(f"--prompts {config.prompts}: no usable prompt ({len(rejected)} record(s) rejected"

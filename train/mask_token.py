@@ -39,7 +39,7 @@ def choose_mask_token_id(target: TargetInfo, target_dir: str | Path | None = Non
     An explicit id is used as given; the choice is recorded in the run's resolved config.
     """
     vocab = _TokenizerVocabulary.read(target_dir) if target_dir is not None else None
-    reserved = _token_ids(target.eos_token_id, target.pad_token_id, target.bos_token_id)
+    reserved = token_ids(target.eos_token_id, target.pad_token_id, target.bos_token_id)
     if vocab is not None:
         reserved |= vocab.reserved_ids
 
@@ -74,7 +74,7 @@ def mask_token_refusal(token_id: int, target: TargetInfo, target_dir: str | Path
     if not 0 <= token_id < target.vocab_size:
         return f"not a row of the embedding ({target.vocab_size} rows)"
     vocab = _TokenizerVocabulary.read(target_dir) if target_dir is not None else None
-    reserved = _token_ids(target.eos_token_id, target.pad_token_id, target.bos_token_id)
+    reserved = token_ids(target.eos_token_id, target.pad_token_id, target.bos_token_id)
     if vocab is not None:
         reserved |= vocab.reserved_ids
     if token_id in reserved:
@@ -83,11 +83,13 @@ def mask_token_refusal(token_id: int, target: TargetInfo, target_dir: str | Path
         return "a token the chat template writes"
     return None
 
-def _token_ids(*values: int | list[int] | None) -> set[int]:
-    """Token-id fields (an id, a list of ids, or None) as one set."""
+def token_ids(*values: int | list[int] | tuple[int, ...] | None) -> set[int]:
+    """Token-id fields as Hugging Face configs write them (`eos_token_id` and the like: an id, a
+    list of ids, or None) as one set: the one reader of such fields, for the mask-token rule
+    here and the stop tokens of online decoding (`dflash.train.online`)."""
     ids: set[int] = set()
     for value in values:
-        if isinstance(value, list):
+        if isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
         elif value is not None:
             ids.add(int(value))
@@ -137,7 +139,7 @@ class _TokenizerVocabulary:
         generation_path = target_dir / "generation_config.json"
         if generation_path.is_file():
             generation = read_target_json(generation_path)
-            reserved |= _token_ids(*(generation.get(key) for key in ("eos_token_id", "pad_token_id", "bos_token_id")))
+            reserved |= token_ids(*(generation.get(key) for key in ("eos_token_id", "pad_token_id", "bos_token_id")))
         return cls(num_ids=num_ids, special=special, reserved_ids=reserved, mask_id=named("mask_token"),
                    template=_chat_template_text(target_dir, config))
 
@@ -164,4 +166,4 @@ def read_target_json(path: Path) -> dict:
         raise ValueError(f"{path} is missing: is this a complete dflash cache's target/ folder?") from None
 
 
-__all__ = ["choose_mask_token_id", "mask_token_refusal", "read_target_json"]
+__all__ = ["choose_mask_token_id", "mask_token_refusal", "read_target_json", "token_ids"]

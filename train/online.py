@@ -2,6 +2,14 @@
 `dflash-train eval --online` (the decoding itself is `dflash.train.speculative`): greedy by
 default, sampled at `temperature` > 0.
 
+This module is the online loop's one face: what eval (and a bench) needs to decode is taken
+from here, not from the modules behind it: the target loaded and checked against the
+drafter with its stop tokens (`load_target`; the stop-token rules, `target_stop_token_ids`
+and `cache_stop_token_ids`), the refusal of a target whose cache cannot be rolled back
+(`rollback_refusal`), the drafter as a proposer (`DrafterProposer`, `drafter_proposer`), the
+prompts rendered by one `ChatRenderer` (`load_prompts`, `suite_prompts`), and the decoding of
+them all (`evaluate_online`).
+
 Prompts are records in the styles stage one reads (`dflash.common.records`: the same reader,
 so a record's index is the one a cache names as its sequence's source); each record's
 conversation up to its last user turn, rendered with the target's chat template and its
@@ -29,6 +37,7 @@ throughput under load.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +46,70 @@ import numpy as np
 import torch
 
 from dflash.common.records import iter_records, prompt_messages
-from dflash.train.speculative import DecodeResult, MatchSampler, Proposer, greedy_generate, speculative_generate
+from dflash.shards.target_info import TARGET_INFO_FILE, TargetInfo
+from dflash.train.mask_token import token_ids
+from dflash.train.model import DFlashDrafter, TargetHead
+from dflash.train.speculative import (
+    DecodeResult,
+    DrafterProposer,
+    MatchSampler,
+    Proposer,
+    greedy_generate,
+    speculative_generate,
+)
+from dflash.train.target_cache import rollback_refusal
+
+
+def target_stop_token_ids(model: Any) -> set[int]:
+    """The stop tokens online decoding ends a reply at, for a loaded Hugging Face target: its
+    generation config's `eos_token_id` (what its own `generate` stops at), else its text
+    config's."""
+    eos = model.generation_config.eos_token_id
+    return token_ids(model.config.get_text_config().eos_token_id if eos is None else eos)
+
+
+def cache_stop_token_ids(target_dir: str | Path) -> set[int] | None:
+    """The target's stop tokens as CACHE/target records them (the eos of target.json and of
+    generation_config.json, as online decoding stops on), for offline scoring; None when
+    neither names one."""
+    target_dir = Path(target_dir)
+    stops: set[int] = set()
+    if (target_dir / TARGET_INFO_FILE).is_file():
+        stops |= token_ids(TargetInfo.load(target_dir).eos_token_id)
+    generation = target_dir / "generation_config.json"
+    if generation.is_file():
+        stops |= token_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    return stops or None
+
+
+def load_target(path: str | Path, drafter: DFlashDrafter, *, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.nn.Module, Any, set[int]]:
+    """(model, tokenizer, stop token ids) of the target's Hugging Face folder, in `dtype` on
+    `device`, in eval mode; ValueError if its sizes (layers, hidden size, embedding rows) are
+    not the ones the drafter was trained for."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # here: `dflash-train --help` stays fast
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--target {path}: no config.json; give a Hugging Face model folder")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text_config = model.config.get_text_config()
+    c = drafter.config
+    found = (text_config.num_hidden_layers, text_config.hidden_size, model.get_input_embeddings().weight.shape[0])
+    if found != (c.num_target_layers, c.hidden_size, c.vocab_size):
+        raise ValueError(
+            f"--target {path} has {found[0]} layers, hidden {found[1]}, {found[2]} embedding rows; the "
+            f"drafter was trained for {c.num_target_layers}, {c.hidden_size}, {c.vocab_size}")
+    return model, tokenizer, target_stop_token_ids(model)
+
+
+def drafter_proposer(drafter: DFlashDrafter, target: torch.nn.Module) -> DrafterProposer:
+    """The drafter as the decoding loop's proposer, drafting through the loaded target's own
+    embedding and LM head."""
+    head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
+                      lm_head=target.get_output_embeddings().weight.detach())
+    return DrafterProposer(drafter, head)
 
 
 @dataclass
@@ -85,15 +157,14 @@ def suite_prompts(items: list[Any], renderer: ChatRenderer) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(path: str | Path, tokenizer: Any, *, keep: set[int] | None = None,
-                 limit: int | None = None, chat_template: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], list[dict[str, Any]]]:
-    """Prompts of a records file, rendered with the tokenizer's chat template.
+def load_prompts(path: str | Path, renderer: ChatRenderer, *, keep: set[int] | None = None,
+                 limit: int | None = None) -> tuple[list[Prompt], list[dict[str, Any]]]:
+    """Prompts of a records file, rendered by `renderer` (the one that also renders the later
+    turns of a decoding).
 
     keep: only these record indices (None: all). Returns (prompts, rejected), each rejected
     record as {"file", "index", "reason"}.
     """
-    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
     prompts, rejected = [], []
     for record in iter_records([path], flag="--prompts"):
         if keep is not None and record.index not in keep:
@@ -294,5 +365,6 @@ def evaluate_online(
     }
 
 
-__all__ = ["TIE_ROUNDINGS", "ChatRenderer", "Prompt", "evaluate_online", "first_mismatch", "load_prompts",
-           "near_tie_bound", "per_position_acceptance", "suite_prompts", "turn_seed"]
+__all__ = ["TIE_ROUNDINGS", "ChatRenderer", "DrafterProposer", "Prompt", "cache_stop_token_ids", "drafter_proposer",
+           "evaluate_online", "first_mismatch", "load_prompts", "load_target", "near_tie_bound",
+           "per_position_acceptance", "rollback_refusal", "suite_prompts", "target_stop_token_ids", "turn_seed"]

@@ -75,6 +75,11 @@ on another (a Xeon with AMX) the transposed form made the 4-token verify forward
 So both loops here (speculative and plain greedy, so the baseline gets it too) time the two
 forms once per shape (rows, weight shape, dtype) on first use and keep the faster
 (`rows_linear`, up to `SMALL_ROWS` rows; the eval's untimed warm-up meets the shapes first).
+The linear is passed in where it is used: the target's plain `nn.Linear` layers are routed to
+`rows_linear` for the call (`decoding_linear`, per layer instance, removed after), the
+drafter's for each of `DrafterProposer`'s calls, and its head product calls it directly;
+`torch.nn.functional.linear` itself is never replaced, so any other model, and any other
+thread, computes as it would have.
 The sums run in another order, so logits move in the last bits (5e-5 at most there), as they
 already differ between a B-token verify and a one-token step; at one row the two forms are the
 same product.
@@ -103,7 +108,6 @@ from dflash.train.target_cache import cache_kwarg, record_past, rollback, target
 
 SMALL_ROWS = 16
 """Up to this many rows, decoding on CPU picks the faster of F.linear and (W @ x.T).T."""
-_TORCH_LINEAR = F.linear
 _TRANSPOSED_FASTER: dict[tuple, bool] = {}
 """(rows, N, K, x dtype, W dtype) -> whether (W @ x.T).T beat F.linear when first timed in this process."""
 
@@ -128,35 +132,48 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     timed then, a few milliseconds per shape)."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
-        return _TORCH_LINEAR(x, weight, bias)
+        return F.linear(x, weight, bias)
     x2d = x.reshape(rows, x.shape[-1])
     key = (rows, *weight.shape, x.dtype, weight.dtype)
     faster = _TRANSPOSED_FASTER.get(key)
     if faster is None:
         faster = _TRANSPOSED_FASTER[key] = (_time_ms(lambda: _transposed(x2d, weight))
-                                            < _time_ms(lambda: _TORCH_LINEAR(x2d, weight)))
+                                            < _time_ms(lambda: F.linear(x2d, weight)))
     if not faster:
-        return _TORCH_LINEAR(x, weight, bias)
+        return F.linear(x, weight, bias)
     out = _transposed(x2d, weight)  # [rows, N]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@contextlib.contextmanager
-def decoding_linear(device: torch.device) -> Iterator[None]:
-    """Inside the block, on CPU, every nn.Linear (and F.linear) computes through `rows_linear`.
+def _routed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s forward through `rows_linear` (looked up when called, as `_decoding`'s pieces are)."""
+    return rows_linear(x, layer.weight, layer.bias)
 
-    torch.nn.functional.linear is swapped for the block only, so it holds for the decoding
-    call on this thread; nothing else should run linear layers meanwhile (eval decodes alone)."""
-    if device.type != "cpu":
-        yield
-        return
-    F.linear = rows_linear
+
+@contextlib.contextmanager
+def decoding_linear(*models: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, every plain `nn.Linear` of `models` whose weight is on the CPU computes
+    through `rows_linear`: the layer instance's own `forward` is set for the block and removed
+    after it.
+
+    Nothing process-wide changes: torch.nn.functional.linear stays torch's, and every other
+    module, on this thread or another, computes as before. A layer left alone: one whose instance
+    already has its own forward (a hook library's wrapper, or an enclosing `decoding_linear`,
+    which then removes it), a subclass of nn.Linear (a quantized layer computes its own way), a
+    layer on another device (the small-row product is a CPU matter)."""
+    routed = []
+    for model in models:
+        for layer in model.modules():
+            if type(layer) is torch.nn.Linear and "forward" not in vars(layer) and layer.weight.device.type == "cpu":
+                layer.forward = functools.partial(_routed_forward, layer)
+                routed.append(layer)
     try:
         yield
     finally:
-        F.linear = _TORCH_LINEAR
+        for layer in routed:
+            del layer.forward
 
 
 @contextlib.contextmanager
@@ -176,12 +193,23 @@ def decoding_attention(device: torch.device) -> Iterator[None]:
 
 
 def _decoding(fn):
-    """Run `fn(target, ...)` inside `decoding_linear` and `decoding_attention` of target.device
+    """Run `fn(target, ...)` inside `decoding_linear(target)` and `decoding_attention(target.device)`
     (looked up when called, so a bench can swap either for a comparison)."""
     @functools.wraps(fn)
     def wrapped(target: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with decoding_linear(target.device), decoding_attention(target.device):
+        with decoding_linear(target), decoding_attention(target.device):
             return fn(target, *args, **kwargs)
+
+    return wrapped
+
+
+def _drafting(method):
+    """Run a `DrafterProposer` method inside `decoding_linear(self.drafter)` (looked up when
+    called): the drafter's layers compute through `rows_linear` as the target's do in the loop."""
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with decoding_linear(self.drafter):
+            return method(self, *args, **kwargs)
 
     return wrapped
 
@@ -212,7 +240,8 @@ class Proposer(Protocol):
 
 class DrafterProposer:
     """A `DFlashDrafter` with its context cache, drafting greedily through the target's
-    embedding and LM head."""
+    embedding and LM head; its drafter's linear layers compute through `rows_linear` during
+    each call (`decoding_linear`)."""
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead):
         self.drafter = drafter.eval()
@@ -223,9 +252,11 @@ class DrafterProposer:
     def reset(self) -> None:
         self.cache = DrafterContextCache()
 
+    @_drafting
     def commit(self, features: torch.Tensor) -> None:
         self.drafter.append_context(self.cache, features[None])  # [1, n, L*H]
 
+    @_drafting
     @torch.inference_mode()
     def propose(self, anchor_token: int, block_size: int) -> list[int]:
         return self.draft(anchor_token, block_size).tokens[0].tolist()
