@@ -21,7 +21,8 @@ def test_lr_schedule(step, expected):
 def test_loss_matches_materialised_reference(kind, seed):
     from types import SimpleNamespace
 
-    from dflash.train.fit import _loss
+    from dflash.train.drafters import LossOperands
+    from dflash.train.fit import _distill, _teacher
 
     N, H, V, k = 7, 5, 11, 3
     hidden, weight = torch.randn(N, H), torch.randn(V, H)
@@ -29,7 +30,8 @@ def test_loss_matches_materialised_reference(kind, seed):
     q = torch.softmax(torch.randn(N, k + 1), -1)[:, :k]  # a tail of mass q[:, k] left out
     batch = SimpleNamespace(topk_ids=topk_ids, topk_logprobs=q.log(), weights=torch.rand(N))
     config = LossConfig(loss=kind, ce_weight=0.5)
-    loss, argmax = _loss(hidden, TargetHead(embed_tokens=weight, lm_head=weight), batch, config)
+    head = TargetHead(embed_tokens=weight, lm_head=weight)
+    loss, argmax = _distill(LossOperands(rows=hidden, head=head), _teacher(batch, head), config)  # a DFlash kind's loss
 
     logp = torch.log_softmax(hidden.double() @ weight.double().T, -1)  # [N, V]
     qd = q.double()
