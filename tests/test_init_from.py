@@ -85,7 +85,7 @@ def step0(run: Path) -> DFlashDrafter:
 
 def offline(drafter: DFlashDrafter, cache: Path) -> dict:
     c = open_cache(cache)
-    return evaluate_offline(drafter, TargetHead.load(c.target_dir), [c[i] for i in range(len(c))], block_size=RUN_BLOCK)
+    return evaluate_offline(drafter, TargetHead.load(c.target_dir), [c[i] for i in range(len(c))], verify_size=RUN_BLOCK)
 
 
 # -- the exact warm start -------------------------------------------------------------------
