@@ -3,13 +3,14 @@ alone (no target model), for `dflash-train eval`.
 
 For every eligible anchor a of a sequence (`dflash.train.data.eligible_anchors`: a reply
 token followed by a reply token, the same rule training draws its anchors from), the drafter
-drafts the block `[x[a], MASK x (B-1)]` from the cached features at positions < a, B the verify
-size (`verify_size`: the anchor and its B - 1 drafts; the kind turns the drafts into its rows). Block
-position k (1..B-1) is compared with the target's greedy choice for token a+k, which is the
-cached top-1 at position a+k-1 (the cached distribution at t is the target's prediction for
-t+1). Position k is *scored* while a+k is inside the sequence and a reply token
-(loss_mask[a+k]), exactly where training puts a label. accepted(a) = the number of leading
-scored positions that match; tau(a) = 1 + accepted(a) (the target's bonus token), at most B.
+drafts the block `[x[a], MASK x (B-1)]` from the cached features at positions < a, B the
+verify size (`verify_size`: the anchor and its B - 1 drafts; the kind turns the drafts into
+its rows). Block position k (1..B-1) is compared with the target's greedy choice for token
+a+k, which is the cached top-1 at position a+k-1 (the cached distribution at t is the
+target's prediction for t+1). Position k is *scored* while a+k is inside the sequence and a
+reply token (loss_mask[a+k]), exactly where training puts a label. accepted(a) = the number
+of leading scored positions that match; tau(a) = 1 + accepted(a) (the target's bonus token),
+at most B.
 
 - `acceptance_length`: the mean of tau(a) over all anchors: every reply position weighs the
   same.

@@ -88,9 +88,10 @@ def _keeps_recurrent_states(layer: Any) -> bool:
 
 def record_past(cache: Any, verify_size: int) -> None:
     """Make every layer of `cache` able to drop up to `verify_size` freshly fed positions (one
-    verify: the anchor and its drafts), in the form its transformers has (call it after the prefill, before the first verify; see the
-    module docstring). Full-attention layers record nothing; a recurrent layer that cannot
-    record per token is refused by `rollback` and `rollback_refusal`, not here."""
+    verify: the anchor and its drafts), in the form its transformers has (call it after the
+    prefill, before the first verify; see the module docstring). Full-attention layers record
+    nothing; a recurrent layer that cannot record per token is refused by `rollback` and
+    `rollback_refusal`, not here."""
     for layer in cache.layers:
         activate = getattr(layer, "activate_past_recording", None)
         if activate is None:  # full attention: a crop alone is exact
