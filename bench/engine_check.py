@@ -108,13 +108,13 @@ MAX_NEW_TOKENS = 24
 @dataclass(kw_only=True)
 class Family:
     """One kind of drafter the check covers: its target's architecture, the cache's feature
-    codec, the block size, the export dtype, and the chat-template kwargs stage one renders
-    with (recorded in the cache; vLLM renders the prompts with them)."""
+    codec, the block's drafter rows, the export dtype, and the chat-template kwargs stage one
+    renders with (recorded in the cache; vLLM renders the prompts with them)."""
 
     name: str
     arch: str  # "llama" (tied embeddings) or "qwen3" (untied head, q/k norms)
     feature_codec: str
-    block_size: int
+    block_rows: int
     """The drafter's rows per block (the name's bN); its kind converts them to `fit --num-drafts`."""
     dtype: str
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -147,17 +147,17 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
-    Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="bfloat16",
+    Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="bfloat16",
            broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing"),
            model_runners=("v1", "v2")),
-    Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
+    Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_rows=8, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
-    Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_rows=4, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, draft_vocab=48, broken=("d2t-zeroed",)),
-    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
            fit_options={"drafter": "dspark", "markov_rank": 32}, model_runners=("v2",),
            broken=("markov-w1-w2-swapped", "markov-head-dropped")),
-    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
            fit_options={"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
                         "sliding_window": 8}, model_runners=("v2",),
            broken=("window-widened",)),
@@ -169,7 +169,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
 # which must fail with the stated reason. Its CPU build's other gaps (VLLM_CPU_CANNOT) are left out.
 _REFUSAL_TEXT = "does not support EAGLE3 interface"
 TARGET_MATRIX: dict[str, Family] = {
-    f"{name}-b4": Family(name=f"{name}-b4", arch=name, feature_codec="bf16", block_size=4, dtype="float32",
+    f"{name}-b4": Family(name=f"{name}-b4", arch=name, feature_codec="bf16", block_rows=4, dtype="float32",
                          max_steps=300 if target.model_type not in VLLM_REFUSES else 20,
                          refused_by=_REFUSAL_TEXT if target.model_type in VLLM_REFUSES else None)
     for name, target in TARGET_FAMILIES.items()
@@ -208,7 +208,7 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
         kind = drafters.get(family.fit_options.get("drafter", drafters.DEFAULT))
-        options = {"num_drafts": kind.num_drafts(family.block_size), "max_steps": max_steps,
+        options = {"num_drafts": kind.num_drafts(family.block_rows), "max_steps": max_steps,
                    "eval_fraction": 0.0, "lr": 5e-3, "anchors_per_seq": 64, "num_layers": 1,
                    "checkpoint_every": max_steps, "tokens_per_step": 384,
                    "log_every": 100, "draft_vocab": family.draft_vocab}
