@@ -358,8 +358,9 @@ def speculative_generate(
     """Speculative decoding of one prompt (see the module docstring for the loop): greedy, or
     sampled by `sampler` (its `sample` and `verify`) when one is given.
 
-    The last verification is shortened so that no more than `max_new_tokens` tokens are
-    produced; a stop token ends the output (and is part of it), as in `generate`.
+    verify_size: the tokens one verify checks, the anchor and its drafts (num_drafts + 1; 1 is
+    plain decoding). The last verification is shortened so that no more than `max_new_tokens`
+    tokens are produced; a stop token ends the output (and is part of it), as in `generate`.
     """
     from transformers import DynamicCache  # here, so that `dflash-train --help` stays fast
 
