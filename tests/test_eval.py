@@ -80,7 +80,7 @@ def test_copying_drafter_accepts_every_scored_position(verify_size):
     np.testing.assert_array_equal(result.drafts[result.scored], top1[label][result.scored])
 
 
-def test_copying_drafter_gives_tau_block_size_and_replay():
+def test_copying_drafter_gives_tau_verify_size_and_replay():
     B, T, start = 4, 40, 5
     input_ids, loss_mask, features, top1 = make_sequence(T, start)
     drafter = StubDrafter(top1, [0] * B, B)
@@ -101,7 +101,7 @@ def test_copying_drafter_gives_tau_block_size_and_replay():
     assert summary["num_replay_verifications"] == 9
 
 
-def test_full_blocks_give_exactly_block_size():
+def test_full_blocks_give_exactly_verify_size():
     B, T, start = 4, 30, 3
     input_ids, loss_mask, features, top1 = make_sequence(T, start)
     drafter = StubDrafter(top1, [0] * B, B)
