@@ -108,13 +108,13 @@ MAX_NEW_TOKENS = 24
 @dataclass(kw_only=True)
 class Family:
     """One kind of drafter the check covers: its target's architecture, the cache's feature
-    codec, the block size, the export dtype, and the chat-template kwargs stage one renders
-    with (recorded in the cache; vLLM renders the prompts with them)."""
+    codec, the block's drafter rows, the export dtype, and the chat-template kwargs stage one
+    renders with (recorded in the cache; vLLM renders the prompts with them)."""
 
     name: str
     arch: str  # "llama" (tied embeddings) or "qwen3" (untied head, q/k norms)
     feature_codec: str
-    block_size: int
+    block_rows: int
     """The drafter's rows per block (the name's bN); its kind converts them to `fit --num-drafts`."""
     dtype: str
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -147,17 +147,17 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {family.name: family for family in [
-    Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="bfloat16",
+    Family(name="llama-bf16-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="bfloat16",
            broken=("ids-off-by-one", "ids-reversed-fc-permuted", "wrong-mask-token-id", "rope-theta-missing"),
            model_runners=("v1", "v2")),
-    Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_size=8, dtype="float32",
+    Family(name="qwen3-basis-b8", arch="qwen3", feature_codec="basis-fp8", block_rows=8, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, broken=("fc-unfolded",)),
-    Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="qwen3-vocab-b4", arch="qwen3", feature_codec="bf16", block_rows=4, dtype="float32",
            chat_template_kwargs={"enable_thinking": False}, draft_vocab=48, broken=("d2t-zeroed",)),
-    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="llama-dspark-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
            fit_options={"drafter": "dspark", "markov_rank": 32}, model_runners=("v2",),
            broken=("markov-w1-w2-swapped", "markov-head-dropped")),
-    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_size=4, dtype="float32",
+    Family(name="llama-sliding-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
            fit_options={"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
                         "sliding_window": 8}, model_runners=("v2",),
            broken=("window-widened",)),
@@ -169,7 +169,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
 # which must fail with the stated reason. Its CPU build's other gaps (VLLM_CPU_CANNOT) are left out.
 _REFUSAL_TEXT = "does not support EAGLE3 interface"
 TARGET_MATRIX: dict[str, Family] = {
-    f"{name}-b4": Family(name=f"{name}-b4", arch=name, feature_codec="bf16", block_size=4, dtype="float32",
+    f"{name}-b4": Family(name=f"{name}-b4", arch=name, feature_codec="bf16", block_rows=4, dtype="float32",
                          max_steps=300 if target.model_type not in VLLM_REFUSES else 20,
                          refused_by=_REFUSAL_TEXT if target.model_type in VLLM_REFUSES else None)
     for name, target in TARGET_FAMILIES.items()
@@ -208,7 +208,7 @@ def train_run(work: Path, family: Family) -> tuple[Path, Path, Path]:
     max_steps = family.max_steps
     if not (run / "checkpoints").is_dir():
         kind = drafters.get(family.fit_options.get("drafter", drafters.DEFAULT))
-        options = {"num_drafts": kind.num_drafts(family.block_size), "max_steps": max_steps,
+        options = {"num_drafts": kind.num_drafts(family.block_rows), "max_steps": max_steps,
                    "eval_fraction": 0.0, "lr": 5e-3, "anchors_per_seq": 64, "num_layers": 1,
                    "checkpoint_every": max_steps, "tokens_per_step": 384,
                    "log_every": 100, "draft_vocab": family.draft_vocab}
@@ -274,8 +274,8 @@ class MarginProposer:
         self.inner.commit(features)
 
     @torch.inference_mode()
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
-        drafts = self.inner.draft(anchor_token, block_size, margins=True)  # the kind's one draft rule
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
+        drafts = self.inner.draft(anchor_token, verify_size, margins=True)  # the kind's one draft rule
         self.margins.append(drafts.margins[0].tolist())
         return drafts.tokens[0].tolist()
 
@@ -299,7 +299,7 @@ def load_reference(target: Path, run: Path, dtype: str) -> tuple[Any, Any, Any, 
 
 
 def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                     block_size: int, dtype: str = "float32") -> list[dict[str, Any]]:
+                     verify_size: int, dtype: str = "float32") -> list[dict[str, Any]]:
     """Per prompt: its ids, the target's greedy tokens, dflash's speculative tokens, its
     per-step accepted drafts (committed - 1) and the smallest drafter margin among the drafts
     that decided each step's count (the accepted ones and the first rejected one), with the
@@ -315,7 +315,7 @@ def dflash_reference(target: Path, run: Path, prompt_ids: list[list[int]], *, ma
     out = []
     for ids in prompt_ids:
         greedy = greedy_generate(model, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
-        spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, block_size=block_size,
+        spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, verify_size=verify_size,
                                     layer_ids=list(drafter.config.target_layer_ids), stop_token_ids=stops)
         accepted = [n - 1 for n in spec.acceptance_lengths]
         # a last 1-token block drafts nothing
@@ -510,21 +510,22 @@ class Serving:
     model_runner: str  # "v1" or "v2"
 
     @property
-    def verify_block(self) -> int:
-        """The block dflash's speculative loop verifies: the drafts and the anchor."""
+    def verify_size(self) -> int:
+        """The tokens dflash's speculative loop verifies at once: the anchor and the drafts."""
         return self.num_drafts + 1
 
 
 def serving(export: Path) -> Serving:
     """`export`'s Serving, from its config.json and its kind (train/drafters/): the kind's vLLM
-    method, the drafts of its block (`block_size` rows), on V1 unless the kind needs V2 or its
-    layers mix sliding-window and full attention (vLLM 0.32 refuses that on V1)."""
+    method, the drafts of its block (config.json's `block_size`: the block's rows), on V1
+    unless the kind needs V2 or its layers mix sliding-window and full attention (vLLM 0.32
+    refuses that on V1)."""
     config = json.loads((export / "config.json").read_text())
     kind = drafters.of_hf(config, str(export / "config.json"))
-    block_size = int(config.get("block_size") or config["dflash_config"]["block_size"])
+    rows = int(config.get("block_size") or config["dflash_config"]["block_size"])
     layers = set(config.get("layer_types") or [])
     v2 = kind.vllm_runner == "V2" or {"sliding_attention", "full_attention"} <= layers
-    return Serving(method=kind.vllm_method, num_drafts=kind.num_drafts(block_size), model_runner="v2" if v2 else "v1")
+    return Serving(method=kind.vllm_method, num_drafts=kind.num_drafts(rows), model_runner="v2" if v2 else "v1")
 
 
 def engine_case(name: str, target: Path, prompts: Prompts, *, max_tokens: int, drafter: Path | None = None,
@@ -557,7 +558,7 @@ def cut_to_owed(accepted: list[int], max_tokens: int) -> list[int]:
     return cut
 
 
-def figures(steps: list[list[int]], block_size: int) -> dict[str, Any]:
+def figures(steps: list[list[int]], verify_size: int) -> dict[str, Any]:
     """Pooled tau (1 + accepted / verify), per-prompt mean tau and per-position acceptance."""
     flat = [a for prompt in steps for a in prompt]
     return {"num_verifications": len(flat),
@@ -565,7 +566,7 @@ def figures(steps: list[list[int]], block_size: int) -> dict[str, Any]:
             "per_prompt_acceptance_length": (sum(1 + sum(p) / len(p) for p in steps if p)
                                              / max(sum(1 for p in steps if p), 1)),
             "per_position": [sum(a >= k for a in flat) / len(flat) if flat else None
-                             for k in range(1, block_size)]}
+                             for k in range(1, verify_size)]}
 
 
 def _first_difference(a: list, b: list) -> int:
@@ -632,7 +633,7 @@ def tokens_per_s(run: dict[str, Any]) -> float:
 
 
 def case_row(name: str, family: str, broken: bool, reference: list[dict[str, Any]], result: dict[str, Any],
-             greedy: dict[str, Any] | None, *, block_size: int, max_tokens: int, rope_theta: float | None,
+             greedy: dict[str, Any] | None, *, verify_size: int, max_tokens: int, rope_theta: float | None,
              log_path: Path, model_runner: str = "v1") -> dict[str, Any]:
     """One case's report row: its failures, near-ties, figures on both sides and speeds;
     `model_runner` is the one the case asked vLLM for."""
@@ -643,10 +644,10 @@ def case_row(name: str, family: str, broken: bool, reference: list[dict[str, Any
            "failures": check_case(reference, result, max_tokens=max_tokens, greedy=greedy, near_ties=near_ties,
                                   rope_theta=rope_theta, model_runner=model_runner),
            "near_ties": near_ties, "start_s": result.get("start_s"), "model_runner": model_runner,
-           "dflash": figures([r["accepted"] for r in reference], block_size)}
+           "dflash": figures([r["accepted"] for r in reference], verify_size)}
     for mode, run in (result.get("runs") or {}).items():
         row.setdefault("vllm", figures([cut_to_owed(o["per_step_accepted"], max_tokens) for o in run["outputs"]],
-                                       block_size))
+                                       verify_size))
         row[f"vllm_{mode}_tokens_per_s"] = tokens_per_s(run)
     return row
 
@@ -695,9 +696,9 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             cases.append(engine_case(good.name, target, prompts, max_tokens=MAX_NEW_TOKENS, drafter=good))
             families.append({"family": family, "cases": [good.name]})
             continue
-        block = serving(good).verify_block
+        verify_size = serving(good).verify_size
         reference = dflash_reference(target, run, prompts.token_ids, max_new_tokens=MAX_NEW_TOKENS,
-                                     block_size=block, dtype=family.dtype)
+                                     verify_size=verify_size, dtype=family.dtype)
         names = family.good_cases()
         runners = dict(zip(names, family.model_runners))
         # One target-alone engine per cache (families of one cache decode the same prompts), on V1,
@@ -716,7 +717,7 @@ def prepare(config: EngineCheckConfig) -> dict[str, Any]:
             names.append(broken)
             runners[broken] = family.model_runners[0]
         families.append({"family": family, "reference": reference, "cases": names, "model_runners": runners,
-                         "verify_block": block, "target_alone": alone,
+                         "verify_size": verify_size, "target_alone": alone,
                          # the trained base (the run's), not the export's: it is what the export must carry
                          "rope_theta": json.loads((run / "drafter_config.json").read_text())["rope_theta"]})
     return {"families": families, "cases": cases, "prepare_s": time.perf_counter() - t0}
@@ -743,7 +744,7 @@ def run_engine_check(config: EngineCheckConfig) -> dict[str, Any]:
             raise RuntimeError(f"vLLM could not run the {family.arch} target alone: {greedy['error']}")
         for name in entry["cases"]:
             report.append(case_row(name, family.name, name in BROKEN, entry["reference"], by_name[name], greedy,
-                                   block_size=entry["verify_block"], max_tokens=MAX_NEW_TOKENS,
+                                   verify_size=entry["verify_size"], max_tokens=MAX_NEW_TOKENS,
                                    rope_theta=entry["rope_theta"], log_path=config.work / "engine.log",
                                    model_runner=entry["model_runners"][name]))
     return {"cases": report, "prepare_s": prepared["prepare_s"], "engine_s": engine_s,
@@ -818,7 +819,7 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
 
         shutil.rmtree(export)
     export_run(run, export, dtype=dtype)
-    block_size = online["block_size"]
+    verify_size = online["verify_size"]
     used_cache = Path(evaluated["caches"][0]["path"]) if evaluated.get("caches") else None  # eval's template settings
     check_prompts = load_check_prompts(target, prompts, used_cache,
                                        keep={p["index"] for p in online["per_prompt"]})
@@ -839,11 +840,11 @@ def run_check_on_run(run: Path, *, target: Path, prompts: Path, work: Path, engi
     if "error" in greedy:
         raise RuntimeError(f"vLLM could not run the target alone: {greedy['error']}")
     trained_rope = json.loads((run / "drafter_config.json").read_text())["rope_theta"]
-    row = case_row(export.name, "run", False, reference, results[export.name], greedy, block_size=block_size,
+    row = case_row(export.name, "run", False, reference, results[export.name], greedy, verify_size=verify_size,
                    max_tokens=max_new_tokens, rope_theta=trained_rope, log_path=work / "engine.log",
                    model_runner=serving(export).model_runner)
     return {"run": str(run), "export": str(export), "num_prompts": len(reference), "max_new_tokens": max_new_tokens,
-            "block_size": block_size, "row": row,
+            "num_drafts": verify_size - 1, "verify_size": verify_size, "row": row,
             "dflash_online": {k: online[k] for k in ("acceptance_length", "lossless", "tokens_per_s",
                                                      "baseline_tokens_per_s", "num_verifications")},
             "vllm_target_alone_tokens_per_s": {mode: tokens_per_s(r) for mode, r in greedy["runs"].items()},
@@ -855,7 +856,8 @@ def format_run_report(result: dict[str, Any]) -> str:
     row, online = result["row"], result["dflash_online"]
     n = result["num_prompts"]
     lines = [f"engine check on {result['run']} ({result['date']}, {result['machine']}): {n} held-out prompts, "
-             f"at most {result['max_new_tokens']} new tokens, block {result['block_size']}, float32 target",
+             f"at most {result['max_new_tokens']} new tokens, {result['num_drafts']} drafts per verify of "
+             f"{result['verify_size']}, float32 target",
              f"{'':22s}{'batch':>6s}{'tok/s':>8s}{'tau':>8s}{'per-prompt':>11s}  per-position"]
 
     def line(label: str, batch: int, speed: float, f: dict[str, Any] | None = None) -> str:

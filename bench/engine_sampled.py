@@ -82,6 +82,7 @@ from bench.engine_check import (
     load_check_prompts,
     load_reference,
     run_engine,
+    serving,
     train_run,
 )
 
@@ -94,7 +95,7 @@ Z_99 = 2.576
 
 
 def dflash_sampled(target: Path, run: Path, prompt_ids: list[list[int]], *, seeds: list[int], temperature: float,
-                   max_new_tokens: int, block_size: int, dtype: str) -> list[dict[str, Any]]:
+                   max_new_tokens: int, verify_size: int, dtype: str) -> list[dict[str, Any]]:
     """Per (prompt, seed), prompt-major: dflash's sampled speculative decoding, its tokens and
     per-verify accepted drafts."""
     from dflash.train.online import DrafterProposer, turn_seed
@@ -106,7 +107,7 @@ def dflash_sampled(target: Path, run: Path, prompt_ids: list[list[int]], *, seed
     for i, ids in enumerate(prompt_ids):
         for seed in seeds:
             sampler = MatchSampler(temperature, torch.Generator().manual_seed(turn_seed(seed, i, 1)))
-            spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, block_size=block_size,
+            spec = speculative_generate(model, proposer, ids, max_new_tokens=max_new_tokens, verify_size=verify_size,
                                         layer_ids=list(drafter.config.target_layer_ids), stop_token_ids=stops,
                                         sampler=sampler)
             out.append({"tokens": spec.tokens, "accepted": [n - 1 for n in spec.acceptance_lengths]})
@@ -168,10 +169,11 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
     if not export.is_dir():
         export_run(run, export, dtype=fam.dtype)
     prompts = load_check_prompts(target, work / "records.jsonl", cache, limit=6)
+    verify_size = serving(export).verify_size  # the drafts vLLM is given, and the anchor
     seeds = list(range(num_seeds))
     t0 = time.perf_counter()
     ours = dflash_sampled(target, run, prompts.token_ids, seeds=seeds, temperature=temperature,
-                          max_new_tokens=max_new_tokens, block_size=fam.block_size, dtype=fam.dtype)
+                          max_new_tokens=max_new_tokens, verify_size=verify_size, dtype=fam.dtype)
     dflash_s = time.perf_counter() - t0
     sampled = {"temperature": temperature, "seeds": seeds}
     with_drafter = engine_case("sampled-with-drafter", target, prompts, max_tokens=max_new_tokens, drafter=export)
@@ -200,7 +202,8 @@ def run_sampled_check(work: Path, venv: Path, *, family: str = "llama-bf16-b4", 
 
     ours_taus = request_taus([o["accepted"] for o in ours])
     result = {"family": family, "temperature": temperature, "num_prompts": len(prompts.token_ids), "num_seeds": n,
-              "max_new_tokens": max_new_tokens, "block_size": fam.block_size, "lossless_dflash": lossless(ours),
+              "max_new_tokens": max_new_tokens, "num_drafts": verify_size - 1, "verify_size": verify_size,
+              "lossless_dflash": lossless(ours),
               "cpu_expand": cases[ENGINES["vllm"]]["cpu_expand"], "dflash_s": dflash_s, "engine_s": engine_s}
     for key, name in ENGINES.items():
         spec = cases[name]["runs"]["batched"]["outputs"]
@@ -230,7 +233,7 @@ def format_report(result: dict[str, Any]) -> str:
     expand = result["cpu_expand"]
     lines = [f"sampled engine check [{result['family']}]: temperature {result['temperature']:g}, "
              f"{result['num_prompts']} prompts x {result['num_seeds']} seeds, at most {result['max_new_tokens']} "
-             f"tokens, block {result['block_size']}",
+             f"tokens, {result['num_drafts']} drafts per verify of {result['verify_size']}",
              f"  vLLM CPU expand_batch_to_tokens([1, 0.5] over 2 + 2 tokens): {expand['expanded']} "
              f"({'the defect: repaired in the checked engine' if expand['defect'] else 'right'})"]
     for key, label in (("vllm", "vLLM repaired"), ("vllm_stock", "vLLM stock")):

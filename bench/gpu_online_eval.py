@@ -29,7 +29,7 @@ Size: 8 layers of Llama-2-7B's shape (hidden 4096, 32 heads over 8 KV heads of 1
 reads enough bytes (about 2 ms of an H200's bandwidth in float32) for bf16's halving to show
 beside transformers' kernel launches (a few hundred a step, which bf16 adds a few casts to); a
 smaller target is launch-bound and compares launch counts, not dtypes. 4 prompts of 64-256
-tokens, 128 new tokens each, block 16; the cuDNN row decodes one prompt, 64 new tokens. About
+tokens, 128 new tokens each, verifies of 16 (15 drafts); the cuDNN row decodes one prompt, 64 new tokens. About
 a minute on an H200, imports included; `--budget-s` skips the rows that would start past it.
 
     python bench/gpu_online_eval.py [--json]                    # CUDA
@@ -77,7 +77,7 @@ def random_target(size: dict, device: torch.device, seed: int):
     return model.to(torch.bfloat16).to(torch.float32).eval()
 
 
-def random_drafter(size: dict, device: torch.device, block_size: int, seed: int):
+def random_drafter(size: dict, device: torch.device, verify_size: int, seed: int):
     """A random one-layer DFlash drafter on the target's three default feature layers."""
     from dflash.shards.layers import default_layer_ids
     from dflash.train.model import DFlashDrafter, DrafterConfig
@@ -87,12 +87,12 @@ def random_drafter(size: dict, device: torch.device, block_size: int, seed: int)
         hidden_size=size["hidden_size"], intermediate_size=size["intermediate_size"], num_hidden_layers=1,
         num_attention_heads=size["num_attention_heads"], num_key_value_heads=size["num_key_value_heads"],
         head_dim=size["head_dim"], vocab_size=size["vocab_size"], target_layer_ids=default_layer_ids(layers, 3),
-        num_target_layers=layers, num_drafts=block_size - 1, mask_token_id=size["vocab_size"] - 1)
+        num_target_layers=layers, num_drafts=verify_size - 1, mask_token_id=size["vocab_size"] - 1)
     torch.manual_seed(seed)
     return DFlashDrafter(config, attention="dense").to(device).eval()
 
 
-def sdpa_backends(size: dict, device: torch.device, kv_length: int, block_size: int) -> dict[str, str]:
+def sdpa_backends(size: dict, device: torch.device, kv_length: int, verify_size: int) -> dict[str, str]:
     """The backend torch picks for a bf16 one-token step (no mask) and a bf16 verify (a causal
     mask over the cache), with torch's defaults and inside `decoding_attention`."""
     from torch.nn.attention import SDPBackend
@@ -111,14 +111,14 @@ def sdpa_backends(size: dict, device: torch.device, kv_length: int, block_size: 
                 if masked else None)  # [1, 1, q, kv]
         return names.get(torch._fused_sdp_choice(q, k, v, mask, enable_gqa=not masked), "?")
 
-    found = {"step_default": choice(1, False), "verify_default": choice(block_size, True)}
+    found = {"step_default": choice(1, False), "verify_default": choice(verify_size, True)}
     with decoding_attention(device):
-        found.update(step_decoding=choice(1, False), verify_decoding=choice(block_size, True))
+        found.update(step_decoding=choice(1, False), verify_decoding=choice(verify_size, True))
     return found
 
 
 def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, max_new_tokens: int,
-               block_size: int) -> dict:
+               verify_size: int) -> dict:
     """evaluate_online with target and drafter in `dtype`; attention "decoding" (the eval's) or
     "torch default" (cuDNN's allowed: `speculative.decoding_attention` replaced for the row)."""
     from dflash.train import speculative
@@ -131,11 +131,11 @@ def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, 
         speculative.decoding_attention = lambda device: contextlib.nullcontext()
     t0 = time.perf_counter()
     try:
-        online = evaluate_online(target, proposer, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
+        online = evaluate_online(target, proposer, prompts, max_new_tokens=max_new_tokens, verify_size=verify_size,
                                  layer_ids=drafter.config.target_layer_ids, stop_token_ids=set())
-        ops = ops_per_token(target, proposer, prompts[0].token_ids, drafter.config.target_layer_ids, block_size,
+        ops = ops_per_token(target, proposer, prompts[0].token_ids, drafter.config.target_layer_ids, verify_size,
                             min(32, max_new_tokens // 2))
-        drift = margin_drift(target, prompts[0].token_ids, 4 * block_size, block_size)
+        drift = margin_drift(target, prompts[0].token_ids, 4 * verify_size, verify_size)
     finally:
         speculative.decoding_attention = kept
     return {
@@ -151,10 +151,10 @@ def decode_row(target, drafter, prompts, *, dtype: torch.dtype, attention: str, 
     }
 
 
-def margin_drift(target, prompt_ids: list[int], new_tokens: int, block_size: int) -> float:
+def margin_drift(target, prompt_ids: list[int], new_tokens: int, verify_size: int) -> float:
     """The premise of `online.near_tie_bound`, measured: the same `new_tokens` positions after
     the prompt (random tokens, teacher-forced) decoded one token at a time and in verifies of
-    `block_size`, with the eval's attention; returns the largest change of a margin between
+    `verify_size`, with the eval's attention; returns the largest change of a margin between
     the one-token top logit and another of its TOP_K best, over the positions, in units of
     u * |top logit| (u the unit roundoff of the target's dtype)."""
     from transformers import DynamicCache
@@ -173,7 +173,7 @@ def margin_drift(target, prompt_ids: list[int], new_tokens: int, block_size: int
                           for t in range(start, start + new_tokens, step)])
 
     with torch.inference_mode(), decoding_attention(device):
-        one, block = logits(1), logits(block_size)
+        one, block = logits(1), logits(verify_size)
     top = one.topk(TOP_K, dim=-1)
     z_one, z_block = top.values, block.gather(1, top.indices)  # [n, K]
     change = ((z_one[:, :1] - z_one) - (z_block[:, :1] - z_block)).abs().amax(dim=1)  # [n]
@@ -181,7 +181,7 @@ def margin_drift(target, prompt_ids: list[int], new_tokens: int, block_size: int
     return float((change / (unit * z_one[:, 0].abs())).max())
 
 
-def ops_per_token(target, proposer, prompt_ids: list[int], layer_ids: list[int], block_size: int,
+def ops_per_token(target, proposer, prompt_ids: list[int], layer_ids: list[int], verify_size: int,
                   new_tokens: int) -> dict:
     """torch operators dispatched per generated token (a proxy for kernel launches, which set
     a small target's time on a GPU), greedy and speculative, over one untimed prompt of
@@ -199,7 +199,7 @@ def ops_per_token(target, proposer, prompt_ids: list[int], layer_ids: list[int],
         "greedy_ops_per_token": count(lambda: greedy_generate(target, prompt_ids, max_new_tokens=new_tokens,
                                                               stop_token_ids=set())),
         "speculative_ops_per_token": count(lambda: speculative_generate(
-            target, proposer, prompt_ids, max_new_tokens=new_tokens, block_size=block_size, layer_ids=layer_ids,
+            target, proposer, prompt_ids, max_new_tokens=new_tokens, verify_size=verify_size, layer_ids=layer_ids,
             stop_token_ids=set())),
     }
 
@@ -216,7 +216,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny target, 2 prompts of 24 new tokens (CI smoke)")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per row (default 4; quick 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 128; quick 24)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--verify-size", "--block-size", dest="verify_size", type=int, default=16,
+                        help="tokens per verify, the anchor and its drafts (default 16: 15 drafts; "
+                             "--block-size is its former name)")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="wall seconds: a row that would start later is skipped (default 150)")
     parser.add_argument("--seed", type=int, default=0)
@@ -235,7 +237,7 @@ def main() -> int:
     num_prompts = args.num_prompts or (2 if args.quick else 4)
     max_new_tokens = args.max_new_tokens or (24 if args.quick else 128)
     target = random_target(size, device, args.seed)
-    drafter = random_drafter(size, device, args.block_size, args.seed + 1)
+    drafter = random_drafter(size, device, args.verify_size, args.seed + 1)
     generator = torch.Generator().manual_seed(args.seed + 2)
     prompts = [Prompt(source={"file": "random", "index": i},
                       token_ids=torch.randint(0, size["vocab_size"] - 1, (64 + 64 * i,), generator=generator).tolist())
@@ -249,8 +251,8 @@ def main() -> int:
             skipped.append(f"{dtype} {attention}")
             continue
         rows.append(decode_row(target, drafter, row_prompts, dtype=dtype, attention=attention,
-                               max_new_tokens=row_tokens, block_size=args.block_size))
-    backends = sdpa_backends(size, device, 256, args.block_size)
+                               max_new_tokens=row_tokens, verify_size=args.verify_size))
+    backends = sdpa_backends(size, device, 256, args.verify_size)
     num_parameters = sum(p.numel() for p in target.parameters())
 
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -258,8 +260,9 @@ def main() -> int:
     print(f"gpu_online_eval, {datetime.date.today().isoformat()}, {machine}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
     print(f"target: random Llama, {size['num_hidden_layers']} layers, hidden {size['hidden_size']}, vocabulary "
-          f"{size['vocab_size']} ({num_parameters / 1e6:,.1f} M parameters); drafter: random, 1 layer, block "
-          f"{args.block_size}; up to {max_new_tokens} new tokens per prompt")
+          f"{size['vocab_size']} ({num_parameters / 1e6:,.1f} M parameters); drafter: random, 1 layer, "
+          f"{args.verify_size - 1} drafts per verify of {args.verify_size}; up to {max_new_tokens} new tokens per "
+          "prompt")
     print(f"{'dtype':<9} {'attention':<14} {'prompts':>7} {'spec ms/tok':>11} {'greedy ms/tok':>13} {'tau':>6} "
           f"{'near-ties':>9} {'real':>5} {'drift u|z|':>10} {'spec ops/tok':>12} {'greedy ops/tok':>14}")
     for r in rows:
@@ -299,7 +302,8 @@ def main() -> int:
         print(json.dumps({
             "bench": "gpu_online_eval", "date": datetime.date.today().isoformat(), "machine": machine,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "target": {**size, "num_parameters": num_parameters}, "block_size": args.block_size,
+            "target": {**size, "num_parameters": num_parameters},
+            "num_drafts": args.verify_size - 1, "verify_size": args.verify_size,
             "max_new_tokens": max_new_tokens, "rows": rows, "skipped": skipped, "sdpa_backends": backends,
             "bf16_over_float32": ratio, "bf16_over_float32_greedy": greedy_ratio, "cudnn_over_decoding": cudnn_cost,
             "checks": checks, "failed": failed,

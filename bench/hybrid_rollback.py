@@ -13,7 +13,7 @@ ways to run it, timed per verify on a random target of the chosen family and siz
   snapshot's copies not counted).
 
     python -m bench.hybrid_rollback
-    python -m bench.hybrid_rollback --kind qwen3_next --hidden 256 --block-sizes 4,16 --json
+    python -m bench.hybrid_rollback --kind qwen3_next --hidden 256 --verify-sizes 4,16 --json
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def recorded_bytes(cache) -> int:
 
 
 @torch.inference_mode()
-def measure(target, prompt_tokens: int, block_size: int, repeats: int) -> dict:
+def measure(target, prompt_tokens: int, verify_size: int, repeats: int) -> dict:
     from transformers import DynamicCache
 
     from dflash.train.target_cache import cache_kwarg, record_past, rollback
@@ -67,8 +67,8 @@ def measure(target, prompt_tokens: int, block_size: int, repeats: int) -> dict:
     arg = cache_kwarg(target)
     vocab = target.config.vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-    block = torch.randint(0, vocab, (1, block_size), generator=torch.Generator().manual_seed(1))
-    committed = max(block_size // 2, 1)
+    block = torch.randint(0, vocab, (1, verify_size), generator=torch.Generator().manual_seed(1))
+    committed = max(verify_size // 2, 1)
 
     def forward(cache, ids):
         start = int(cache.get_seq_length())
@@ -91,13 +91,13 @@ def measure(target, prompt_tokens: int, block_size: int, repeats: int) -> dict:
     held = []
 
     def recorded(cache) -> float:
-        record_past(cache, block_size)
+        record_past(cache, verify_size)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             forward(cache, block)
             held.append(recorded_bytes(cache))
-            rollback(cache, int(cache.get_seq_length()) - block_size + committed, fed=block_size, family="bench")
+            rollback(cache, int(cache.get_seq_length()) - verify_size + committed, fed=verify_size, family="bench")
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
@@ -110,7 +110,8 @@ def measure(target, prompt_tokens: int, block_size: int, repeats: int) -> dict:
         return statistics.median(times[1:])
 
     chunked_ms, recorded_ms, rerun_ms = (1e3 * timed(step) for step in (chunked, recorded, rerun))
-    return {"block_size": block_size, "chunked_ms": chunked_ms, "recorded_ms": recorded_ms,
+    return {"num_drafts": verify_size - 1, "verify_size": verify_size, "chunked_ms": chunked_ms,
+            "recorded_ms": recorded_ms,
             "rerun_ms": chunked_ms + rerun_ms, "recorded_over_chunked": recorded_ms / chunked_ms,
             "held_mib": max(held) / 2**20}
 
@@ -123,19 +124,21 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--block-sizes", default="2,4,8,16")
+    parser.add_argument("--verify-sizes", "--block-sizes", dest="verify_sizes", default="2,4,8,16",
+                        help="comma-separated verify sizes B (the anchor and its drafts) to time; "
+                             "--block-sizes is its former name")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = build(args.kind, args.hidden, args.layers, args.vocab, args.head_dim)
-    rows = [measure(target, args.prompt_tokens, int(b), args.repeats) for b in args.block_sizes.split(",")]
+    rows = [measure(target, args.prompt_tokens, int(b), args.repeats) for b in args.verify_sizes.split(",")]
     print(f"{args.kind}: hidden {args.hidden}, {args.layers} layers, head dim {args.head_dim}, prompt "
           f"{args.prompt_tokens} tokens, CPU {args.threads} threads; ms per verify (median of {args.repeats})")
-    print(f"{'block':>5}{'chunked':>10}{'recorded':>10}{'ratio':>7}{'re-run':>9}{'held MiB':>10}")
+    print(f"{'verify':>6}{'chunked':>10}{'recorded':>10}{'ratio':>7}{'re-run':>9}{'held MiB':>10}")
     for r in rows:
-        print(f"{r['block_size']:>5}{r['chunked_ms']:>10.1f}{r['recorded_ms']:>10.1f}{r['recorded_over_chunked']:>7.2f}"
+        print(f"{r['verify_size']:>6}{r['chunked_ms']:>10.1f}{r['recorded_ms']:>10.1f}{r['recorded_over_chunked']:>7.2f}"
               f"{r['rerun_ms']:>9.1f}{r['held_mib']:>10.2f}")
     if args.json:
         print(json.dumps({"kind": args.kind, "hidden": args.hidden, "layers": args.layers, "head_dim": args.head_dim,

@@ -1,15 +1,16 @@
-"""Where speculative decoding's time goes, against plain greedy decoding, per block size.
+"""Where speculative decoding's time goes, against plain greedy decoding, per verify size.
 
 Loads a target and a trained drafter (by default the demo's: `.demo/`, after `make demo`),
 decodes the first held-out prompts greedily with `generate` and speculatively at each
-block size, and splits the speculative time into drafting (the drafter's forward and its
-LM-head rows) and verification (the target's forward over the block, which also yields the
-next context features). Every speculative output is checked token for token against the
-greedy one. A block size other than the one the drafter was trained with is allowed (a
-shorter block drafts fewer positions); tau drops accordingly.
+verify size (the anchor and its drafts: num_drafts + 1), and splits the speculative time
+into drafting (the drafter's forward and its LM-head rows) and verification (the target's
+forward over the block, which also yields the next context features). Every speculative
+output is checked token for token against the greedy one. A verify size other than the one
+the drafter was trained with is allowed (a shorter verify drafts fewer positions); tau drops
+accordingly.
 
     python bench/spec_profile.py                           # the demo's target, run and prompts
-    python bench/spec_profile.py --block-sizes 2,4,8 --limit 10 --json
+    python bench/spec_profile.py --verify-sizes 2,4,8 --limit 10 --json
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class TimedProposer:
     def commit(self, features):
         self.inner.commit(features)
 
-    def propose(self, anchor_token, block_size):
+    def propose(self, anchor_token, verify_size):
         t0 = time.perf_counter()
-        out = self.inner.propose(anchor_token, block_size)
+        out = self.inner.propose(anchor_token, verify_size)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -73,7 +74,9 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=demo / "smollm2-135m-instruct")
     parser.add_argument("--run", type=Path, default=demo / "run", help="a dflash-train fit run folder")
     parser.add_argument("--prompts", type=Path, default=demo / "chitchat.jsonl")
-    parser.add_argument("--block-sizes", default="2,4,8", help="comma-separated block sizes to decode with")
+    parser.add_argument("--verify-sizes", "--block-sizes", dest="verify_sizes", default="2,4,8",
+                        help="comma-separated verify sizes (the anchor and its drafts) to decode with; "
+                             "--block-sizes is its former name")
     parser.add_argument("--limit", type=int, default=8, help="held-out prompts decoded")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -121,20 +124,21 @@ def main() -> None:
     greedy_tokens = sum(len(r.tokens) for r in reference)
     one_token = [s for n, s in forwards if n == 1]
     rows = []
-    for block_size in [int(b) for b in args.block_sizes.split(",")]:
+    for verify_size in [int(b) for b in args.verify_sizes.split(",")]:
         proposer = TimedProposer(drafter_proposer(drafter, target))
         outputs, verify_s, spec_s = [], 0.0, 0.0
         for p in prompts:
             forwards.clear()
             t0 = time.perf_counter()
             outputs.append(speculative_generate(target, proposer, p.token_ids, max_new_tokens=args.max_new_tokens,
-                                                block_size=block_size, layer_ids=layer_ids, stop_token_ids=stop))
+                                                verify_size=verify_size, layer_ids=layer_ids, stop_token_ids=stop))
             spec_s += time.perf_counter() - t0
             verify_s += sum(s for _, s in forwards[1:])  # forwards[0] is the prompt's prefill
         num_verifies = sum(len(o.acceptance_lengths) for o in outputs)
         tokens = sum(len(o.tokens) for o in outputs)
         rows.append({
-            "block_size": block_size,
+            "num_drafts": verify_size - 1,
+            "verify_size": verify_size,
             "tau": float(np.mean([a for o in outputs for a in o.acceptance_lengths])),
             "verifications": num_verifies,
             "ms_per_verify": 1e3 * verify_s / max(1, num_verifies),
@@ -158,11 +162,11 @@ def main() -> None:
           f"up to {args.max_new_tokens} new tokens")
     print(f"plain greedy: {report['greedy_tokens_per_s']:.1f} tok/s, {report['ms_per_target_token']:.1f} ms "
           "per target token (median decode step)")
-    print(f"{'block':>5} {'tau':>6} {'verifies':>8} {'ms/verify':>9} {'ms/draft':>8} {'ms/token':>8} "
+    print(f"{'verify':>6} {'tau':>6} {'verifies':>8} {'ms/verify':>9} {'ms/draft':>8} {'ms/token':>8} "
           f"{'tok/s':>6} {'speed-up':>8} {'lossless':>8}")
     for r in rows:
         per_token = (r["ms_per_verify"] + r["ms_per_draft"]) / r["tau"]
-        print(f"{r['block_size']:>5} {r['tau']:>6.3f} {r['verifications']:>8} {r['ms_per_verify']:>9.1f} "
+        print(f"{r['verify_size']:>6} {r['tau']:>6.3f} {r['verifications']:>8} {r['ms_per_verify']:>9.1f} "
               f"{r['ms_per_draft']:>8.1f} {per_token:>8.1f} {r['spec_tokens_per_s']:>6.1f} {r['speedup']:>7.2f}x "
               f"{'yes' if r['lossless'] else 'NO':>8}")
     if args.json:

@@ -39,9 +39,10 @@ STARTS = {
 }
 
 
-def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_weight: float = 0.5) -> list[dict]:
+def measure(cache_dir: Path, *, sequences: int, seed: int, num_drafts: int, ce_weight: float = 0.5) -> list[dict]:
     from dflash.kernels.loss import sparse_kl_loss
     from dflash.shards import open_cache
+    from dflash.train import drafters
     from dflash.train.config import ModelConfig
     from dflash.train.data import Corpus, Segment, decay_gamma, read_batch
     from dflash.train.fit import initial_weights
@@ -49,7 +50,8 @@ def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_w
 
     cache = open_cache(cache_dir)
     target_dir = cache.target_dir
-    config = DrafterConfig.from_target(target_dir, num_hidden_layers=1, num_drafts=block_size - 1)
+    config = DrafterConfig.from_target(target_dir, num_hidden_layers=1, num_drafts=num_drafts)
+    block_rows = drafters.get(drafters.DEFAULT).block_rows(num_drafts)  # fit's default kind: the anchor and its drafts
     if cache.spec.is_basis:
         import dataclasses
 
@@ -61,8 +63,8 @@ def measure(cache_dir: Path, *, sequences: int, seed: int, block_size: int, ce_w
         counts = corpus.num_eligible[:sequences]
         segments = [Segment(i, 0, int(n)) for i, n in enumerate(counts) if n > 0]
         batch = read_batch(corpus, segments, stream=0, plan_anchors=int(counts.max()), seed=seed,
-                           block_size=block_size, gamma=decay_gamma(block_size), mask_token_id=config.mask_token_id)
-    layout = BlockLayout.build(batch.segments, block_size)
+                           block_size=block_rows, gamma=decay_gamma(num_drafts + 1), mask_token_id=config.mask_token_id)
+    layout = BlockLayout.build(batch.segments, block_rows)
     top1 = batch.topk_ids.gather(1, batch.topk_logprobs.argmax(1, keepdim=True))[:, 0]
     anchor_ids = batch.block_ids[batch.label_rows - batch.label_positions]
     mask_row = head.embed_tokens[config.mask_token_id].float()
@@ -102,12 +104,14 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True, help="a cache folder (the demo's: .demo/cache)")
     parser.add_argument("--sequences", type=int, default=32, help="the first N sequences' blocks are drafted")
     parser.add_argument("--seed", type=int, default=0, help="fit's --seed (the initial weights)")
-    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--num-drafts", type=int, default=3, help="fit's --num-drafts: drafts per verify (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    info, *rows = measure(args.cache, sequences=args.sequences, seed=args.seed, block_size=args.block_size)
-    print(f"step 0 of a 1-layer drafter, block {args.block_size}, seed {args.seed}, {datetime.date.today()}, "
+    info, *rows = measure(args.cache, sequences=args.sequences, seed=args.seed,
+                          num_drafts=args.num_drafts)
+    print(f"step 0 of a 1-layer drafter, {args.num_drafts} drafts per verify, seed {args.seed}, "
+          f"{datetime.date.today()}, "
           f"{platform.machine()}: {info['labels']} predicted positions of {args.sequences} sequences; mask token "
           f"{info['mask_token_id']} (embedding norm {info['mask_embedding_norm']:.2f}), H {info['hidden_size']}, "
           f"ln V {math.log(info['vocab_size']):.2f}")
@@ -120,7 +124,8 @@ def main() -> None:
               f"{r['hidden_norm']:>6.2f} {r['cos_mask_embedding']:>11.3f}")
     if args.json:
         print(json.dumps({"info": info, "rows": rows, "date": datetime.date.today().isoformat(),
-                          "seed": args.seed, "block_size": args.block_size}, default=lambda x: np.asarray(x).tolist()))
+                          "seed": args.seed, "num_drafts": args.num_drafts,
+                          "verify_size": args.num_drafts + 1}, default=lambda x: np.asarray(x).tolist()))
 
 
 if __name__ == "__main__":

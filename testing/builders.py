@@ -270,10 +270,10 @@ class HalfRightProposer:
     def commit(self, features: torch.Tensor) -> None:
         self.tokens = list(self.prompt) if not self.tokens else self.tokens + self.block[:features.shape[0]]
 
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         with torch.no_grad():
             right = int(self.target(torch.tensor([self.tokens + [anchor_token]])).logits[0, -1].argmax())
-        drafts = [right] + [(right + 1) % self.vocab_size] * (block_size - 2)
+        drafts = [right] + [(right + 1) % self.vocab_size] * (verify_size - 2)
         self.block = [anchor_token] + drafts
         return drafts
 

@@ -22,9 +22,10 @@ from dflash.train.checkpoint import latest_checkpoint, list_checkpoints
 from dflash.train.cli import main
 from dflash.train.config import FitConfig
 from dflash.train.evaluate import EvalConfig, run_eval
-from dflash.train.export import write_export
+from dflash.train.export import export_run, write_export
 from dflash.train.fit import fit
 from dflash.train.loading import load_drafter, load_exported
+from dflash.train.run_folder import eval_results_path
 
 # kind: (drafts, the rows its block had under `block_size`, its fit options)
 KINDS = {"dflash": (3, 4, {}), "dspark": (4, 4, {"markov_rank": 8})}
@@ -105,3 +106,19 @@ def test_an_export_keeps_vllms_block_size(cache_dir, tmp_path, kind):
     config = json.loads((out / "config.json").read_text())
     assert config["block_size"] == config["dflash_config"]["block_size"] == rows
     assert load_exported(out).config.num_drafts == drafts
+
+
+@pytest.mark.parametrize("key", ["verify_size", "block_size"])
+def test_the_model_card_reads_an_eval_saved_before_the_rename(cache_dir, tmp_path, key):
+    """RUN/eval/<checkpoint>.json written before the rename states the verify size as
+    `block_size` (eval's offline figures: the anchor and its drafts); the export's card reads
+    either key as the verify size."""
+    run = tmp_path / "run"
+    fit(tiny_fit_config(cache_dir, run, num_drafts=3, max_steps=1))
+    saved = eval_results_path(run, latest_checkpoint(run))
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"acceptance_length": 2.5, "num_anchors": 40, "num_sequences": 2, key: 4,
+                                 "replay_acceptance_length": 2.25, "num_replay_verifications": 8}))
+    card = (export_run(run, tmp_path / "export", dtype="float32") / "README.md").read_text()
+    assert "| 2.500 |" in card
+    assert "Verify size 4 (3 drafts and the target's bonus token)" in card

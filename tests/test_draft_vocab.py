@@ -165,7 +165,7 @@ def test_offline_drafts_are_the_best_in_vocabulary_tokens(cache_dir, run):
     head = TargetHead.load(cache.target_dir, dtype=torch.float32)
     seq = cache[0]
     got = sequence_acceptance(drafter, head, seq.input_ids, seq.loss_mask, seq.features,
-                              target_top1(seq.topk_ids, seq.topk_logprobs), block_size=drafter.config.num_drafts + 1)
+                              target_top1(seq.topk_ids, seq.topk_logprobs), verify_size=drafter.config.num_drafts + 1)
     ids = drafter.draft_ids
     assert set(np.unique(got.drafts).tolist()) <= set(ids.tolist())
     # the same drafts from the whole head with every other token's logit at -inf

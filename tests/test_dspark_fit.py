@@ -110,7 +110,7 @@ def test_offline_drafts_are_what_online_decoding_drafts(straight_run, cache_dir)
     seq = cache[0]
     B = drafter.config.num_drafts
     scored = sequence_acceptance(drafter, head, seq.input_ids, seq.loss_mask, seq.features,
-                                 target_top1(seq.topk_ids, seq.topk_logprobs), block_size=B + 1)
+                                 target_top1(seq.topk_ids, seq.topk_logprobs), verify_size=B + 1)
     assert scored.drafts.shape[1] == B
     proposer = DrafterProposer(drafter, head)
     features = torch.as_tensor(np.asarray(seq.features, dtype=np.float32).reshape(len(seq.input_ids), -1))
@@ -131,11 +131,11 @@ def target():
     return tiny_causal_lm("qwen3")
 
 
-def dspark_proposer(target, block_size: int, repeats: bool) -> DrafterProposer:
+def dspark_proposer(target, num_drafts: int, repeats: bool) -> DrafterProposer:
     torch.manual_seed(1)
     config = drafter_config("dspark", num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
                             num_target_layers=6,
-                            num_drafts=block_size, mask_token_id=V - 1, initializer_range=0.2, markov_rank=V)
+                            num_drafts=num_drafts, mask_token_id=V - 1, initializer_range=0.2, markov_rank=V)
     drafter = make_drafter(config, attention="dense")
     if repeats:  # a Markov bias that drafts the previous token again, far above the backbone's logits
         with torch.no_grad():
@@ -146,25 +146,25 @@ def dspark_proposer(target, block_size: int, repeats: bool) -> DrafterProposer:
     return DrafterProposer(drafter, head)
 
 
-@pytest.mark.parametrize("block_size", [2, 3, 5])
+@pytest.mark.parametrize("num_drafts", [2, 3, 5])
 @pytest.mark.parametrize("repeats", [False, True])
-def test_dspark_online_decoding_is_lossless(target, block_size, repeats):
+def test_dspark_online_decoding_is_lossless(target, num_drafts, repeats):
     prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(4)).tolist()
     reference = greedy_generate(target, prompt, max_new_tokens=23, stop_token_ids=set())
-    proposer = dspark_proposer(target, block_size, repeats)
-    out = speculative_generate(target, proposer, prompt, max_new_tokens=23, block_size=block_size + 1,
+    proposer = dspark_proposer(target, num_drafts, repeats)
+    out = speculative_generate(target, proposer, prompt, max_new_tokens=23, verify_size=num_drafts + 1,
                                layer_ids=LAYER_IDS, stop_token_ids=set())
     assert out.tokens == reference.tokens
-    assert max(out.drafted) == block_size  # a DSpark block of N drafts N tokens
+    assert max(out.drafted) == num_drafts  # a DSpark block of N drafts N tokens
     if repeats:
-        drafts = proposer.propose(reference.tokens[-1], block_size + 1)
-        assert drafts == [reference.tokens[-1]] * block_size
+        drafts = proposer.propose(reference.tokens[-1], num_drafts + 1)
+        assert drafts == [reference.tokens[-1]] * num_drafts
 
 
 def test_dspark_sampled_decoding_runs_with_match_sampler(target):
     prompt = list(range(5, 14))
     proposer = dspark_proposer(target, 3, repeats=False)
-    runs = [speculative_generate(target, proposer, prompt, max_new_tokens=17, block_size=4, layer_ids=LAYER_IDS,
+    runs = [speculative_generate(target, proposer, prompt, max_new_tokens=17, verify_size=4, layer_ids=LAYER_IDS,
                                  stop_token_ids=set(),
                                  sampler=MatchSampler(1.0, torch.Generator().manual_seed(7))).tokens
             for _ in range(2)]

@@ -33,17 +33,17 @@ class StubDrafter(nn.Module):
     """Returns one-hot hidden states: block position k of the block anchored at a "predicts"
     `answer[a + k - 1] + shift[k]` (mod V), so shift 0 everywhere copies the target's top-1."""
 
-    def __init__(self, answer: np.ndarray, shift: list[int], block_size: int):
+    def __init__(self, answer: np.ndarray, shift: list[int], verify_size: int):
         super().__init__()
         self.answer = torch.as_tensor(answer, dtype=torch.long)
         self.shift = torch.as_tensor(shift, dtype=torch.long)  # [B], entry 0 unused
-        self.block_size = block_size
+        self.verify_size = verify_size
         self.config = type("Config", (), {"mask_token_id": V - 1})()
         self.dummy = nn.Parameter(torch.zeros(1))
 
     def forward(self, block_embeds, context_features, layout):
         positions = layout.block_positions  # [Q] = anchor + k
-        k = torch.arange(positions.shape[0]) % self.block_size
+        k = torch.arange(positions.shape[0]) % self.verify_size
         label = self.answer[(positions - 1).clamp(min=0, max=len(self.answer) - 1)]
         token = (label + self.shift[k]) % V
         return nn.functional.one_hot(token, V).float()  # [Q, V]
@@ -64,23 +64,23 @@ def make_sequence(T: int, reply_start: int, seed: int = 0):
     return input_ids, loss_mask, features, top1
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_copying_drafter_accepts_every_scored_position(block_size):
+@pytest.mark.parametrize("verify_size", [2, 4, 16])
+def test_copying_drafter_accepts_every_scored_position(verify_size):
     T, start = 40, 5
     input_ids, loss_mask, features, top1 = make_sequence(T, start)
-    drafter = StubDrafter(top1, [0] * block_size, block_size)
+    drafter = StubDrafter(top1, [0] * verify_size, verify_size)
     result = sequence_acceptance(drafter, identity_head(), input_ids, loss_mask, features, top1,
-                                 block_size=block_size, anchors_per_call=7)
+                                 verify_size=verify_size, anchors_per_call=7)
     anchors = np.arange(start, T - 1)  # reply tokens followed by a reply token
     np.testing.assert_array_equal(result.anchors, anchors)
     # Block position k is scored while a+k < T: the full block in the middle, fewer at the end.
-    expected_accepted = np.minimum(block_size - 1, T - 1 - anchors)
+    expected_accepted = np.minimum(verify_size - 1, T - 1 - anchors)
     np.testing.assert_array_equal(result.accepted, expected_accepted)
-    label = np.minimum(anchors[:, None] + np.arange(block_size - 1), T - 1)  # a+k-1 for k = 1..B-1
+    label = np.minimum(anchors[:, None] + np.arange(verify_size - 1), T - 1)  # a+k-1 for k = 1..B-1
     np.testing.assert_array_equal(result.drafts[result.scored], top1[label][result.scored])
 
 
-def test_copying_drafter_gives_tau_block_size_and_replay():
+def test_copying_drafter_gives_tau_verify_size_and_replay():
     B, T, start = 4, 40, 5
     input_ids, loss_mask, features, top1 = make_sequence(T, start)
     drafter = StubDrafter(top1, [0] * B, B)
@@ -89,7 +89,7 @@ def test_copying_drafter_gives_tau_block_size_and_replay():
     # The cache stores top-k unsorted here: top-1 must come from the log-probs, not column 0.
     seq.topk_ids = np.stack([(top1 + 3) % V, top1], axis=1).astype(np.int32)
     seq.topk_logprobs = np.tile(np.array([[-2.0, -0.5]], np.float32), (T, 1))
-    summary = evaluate_offline(drafter, identity_head(), [seq], block_size=B)
+    summary = evaluate_offline(drafter, identity_head(), [seq], verify_size=B)
     anchors = np.arange(start, T - 1)
     taus = 1 + np.minimum(B - 1, T - 1 - anchors)
     assert summary["num_anchors"] == len(anchors)
@@ -101,27 +101,27 @@ def test_copying_drafter_gives_tau_block_size_and_replay():
     assert summary["num_replay_verifications"] == 9
 
 
-def test_full_blocks_give_exactly_block_size():
+def test_full_blocks_give_exactly_verify_size():
     B, T, start = 4, 30, 3
     input_ids, loss_mask, features, top1 = make_sequence(T, start)
     drafter = StubDrafter(top1, [0] * B, B)
-    result = sequence_acceptance(drafter, identity_head(), input_ids, loss_mask, features, top1, block_size=B)
+    result = sequence_acceptance(drafter, identity_head(), input_ids, loss_mask, features, top1, verify_size=B)
     full = result.scored.all(axis=1)
     assert full.sum() > 10
     assert np.all(result.accepted[full] + 1 == B)
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_always_wrong_drafter_gives_tau_one(block_size):
+@pytest.mark.parametrize("verify_size", [2, 4, 16])
+def test_always_wrong_drafter_gives_tau_one(verify_size):
     input_ids, loss_mask, features, top1 = make_sequence(50, 10, seed=1)
     seq = type("Seq", (), {})()
     seq.input_ids, seq.loss_mask, seq.features = input_ids, loss_mask, features
     seq.topk_ids = top1[:, None].astype(np.int32)
     seq.topk_logprobs = np.zeros((50, 1), np.float32)
-    drafter = StubDrafter(top1, [0] + [1] * (block_size - 1), block_size)
-    summary = evaluate_offline(drafter, identity_head(), [seq], block_size=block_size)
+    drafter = StubDrafter(top1, [0] + [1] * (verify_size - 1), verify_size)
+    summary = evaluate_offline(drafter, identity_head(), [seq], verify_size=verify_size)
     assert summary["acceptance_length"] == 1.0
-    assert summary["per_position_acceptance"] == [0.0] * (block_size - 1)
+    assert summary["per_position_acceptance"] == [0.0] * (verify_size - 1)
     assert summary["replay_acceptance_length"] == 1.0
 
 
@@ -131,7 +131,7 @@ def test_shifted_drafter_is_rejected():
     input_ids, loss_mask, features, top1 = make_sequence(60, 5, seed=2)
     late = np.concatenate([top1[1:], top1[:1]])  # answer[a+k-1] = top1[a+k]
     drafter = StubDrafter(late, [0] * B, B)
-    result = sequence_acceptance(drafter, identity_head(), input_ids, loss_mask, features, top1, block_size=B)
+    result = sequence_acceptance(drafter, identity_head(), input_ids, loss_mask, features, top1, verify_size=B)
     assert result.accepted.mean() < 0.2
 
 
@@ -143,10 +143,10 @@ def test_partial_drafter_per_position_figures():
     seq = type("Seq", (), {})()
     seq.input_ids, seq.loss_mask, seq.features = input_ids, loss_mask, features
     seq.topk_ids, seq.topk_logprobs = top1[:, None].astype(np.int32), np.zeros((40, 1), np.float32)
-    first = evaluate_offline(StubDrafter(top1, [0, 0, 0, 5], B), identity_head(), [seq], block_size=B)
+    first = evaluate_offline(StubDrafter(top1, [0, 0, 0, 5], B), identity_head(), [seq], verify_size=B)
     assert first["per_position_acceptance"] == [1.0, 1.0, 0.0]
     assert first["per_position_match"] == [1.0, 1.0, 0.0]
-    second = evaluate_offline(StubDrafter(top1, [0, 0, 5, 0], B), identity_head(), [seq], block_size=B)
+    second = evaluate_offline(StubDrafter(top1, [0, 0, 5, 0], B), identity_head(), [seq], verify_size=B)
     assert second["per_position_acceptance"] == [1.0, 0.0, 0.0]
     assert second["per_position_match"] == [1.0, 0.0, 1.0]
     assert second["acceptance_length"] == 2.0
@@ -184,25 +184,25 @@ def test_target_top1_takes_the_most_likely_cached_id():
 
 
 @pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}])
-@pytest.mark.parametrize("block_size", [2, 5])
-def test_offline_drafts_equal_the_inference_path(seed, block_size, layout):
+@pytest.mark.parametrize("verify_size", [2, 5])
+def test_offline_drafts_equal_the_inference_path(seed, verify_size, layout):
     """The packed training forward used offline drafts the same tokens as the inference path
     (context cache of the features before the anchor, then one block), sliding layers too."""
     H, L, T = 16, 2, 23
     config = drafter_config(hidden_size=H, intermediate_size=32, head_dim=4, num_hidden_layers=2, vocab_size=V,
-                            target_layer_ids=[0, 1], num_target_layers=3, num_drafts=block_size - 1,
+                            target_layer_ids=[0, 1], num_target_layers=3, num_drafts=verify_size - 1,
                             mask_token_id=V - 1, initializer_range=0.5, **layout)
     drafter = DFlashDrafter(config, attention="dense").eval()
     head = TargetHead(embed_tokens=torch.randn(V, H), lm_head=torch.randn(V, H) * 3)
     input_ids, loss_mask, _, top1 = make_sequence(T, 4, seed=seed)
     features = np.random.default_rng(seed).standard_normal((T, L, H)).astype(np.float32)
     result = sequence_acceptance(drafter, head, input_ids, loss_mask, features, top1,
-                                 block_size=block_size, anchors_per_call=5)
+                                 verify_size=verify_size, anchors_per_call=5)
     flat = torch.as_tensor(features).reshape(T, L * H)
     for row, a in enumerate(result.anchors.tolist()):
         cache = DrafterContextCache()
         drafter.append_context(cache, flat[None, :a])
-        block = torch.full((1, block_size), V - 1)
+        block = torch.full((1, verify_size), V - 1)
         block[0, 0] = int(input_ids[a])
         hidden = drafter.forward_block(head.embed(block), cache)  # [1, B, H]
         expected = head.logits(hidden[0, 1:]).argmax(-1).numpy()

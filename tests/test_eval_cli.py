@@ -58,7 +58,7 @@ def test_offline_eval_scores_the_held_out_sequences(synthetic_run):
     cache = open_cache(cache_dir)
     loaded = load_drafter(run)
     expected = evaluate_offline(loaded.drafter, TargetHead.load(cache.target_dir, dtype=torch.float32),
-                                [cache[int(i)] for i in held], block_size=4)
+                                [cache[int(i)] for i in held], verify_size=4)
     for key in ("acceptance_length", "per_position_acceptance", "num_anchors", "replay_acceptance_length"):
         assert figures[key] == expected[key], key
     assert 1.0 <= figures["acceptance_length"] <= 4.0
@@ -69,7 +69,7 @@ def test_offline_eval_scores_the_held_out_sequences(synthetic_run):
     assert "offline  tau" in result.output
 
 
-def test_other_cache_is_scored_whole_and_block_size_can_shrink(synthetic_run, tmp_path):
+def test_other_cache_is_scored_whole_and_num_drafts_can_shrink(synthetic_run, tmp_path):
     _, run = synthetic_run
     write_synthetic_training_cache(tmp_path / "other", lengths=[30, 31, 32], seed=5)
     result = CliRunner().invoke(main, ["eval", "--run", str(run), "--cache", str(tmp_path / "other"),
@@ -219,6 +219,8 @@ def test_online_eval_decodes_suites_by_name(chat_setup, tmp_path, temperature):
     header = next(line for line in result.output.splitlines() if "gsm8k" in line and "mt-bench" in line)
     assert header.split() == ["gsm8k", "mt-bench"]
     assert "tau, mean over turns" in result.output and "accepted through 3" in result.output
+    assert "3 drafts per verify of 4, at most 10 new tokens per turn" in result.output
+    assert all((e["num_drafts"], e["verify_size"]) == (3, 4) for e in suites.values())
     saved = json.loads(Path(figures["saved_to"]).read_text())["suites"]
     assert all(any(s == e for s in saved) for e in figures["suites"])
 

@@ -35,10 +35,10 @@ def target():
     return tiny_causal_lm("qwen3")
 
 
-def untrained_proposer(target, block_size: int) -> DrafterProposer:
+def untrained_proposer(target, verify_size: int) -> DrafterProposer:
     torch.manual_seed(1)
     config = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=LAYER_IDS,
-                            num_target_layers=NUM_LAYERS, num_drafts=block_size - 1, mask_token_id=V - 1,
+                            num_target_layers=NUM_LAYERS, num_drafts=verify_size - 1, mask_token_id=V - 1,
                             initializer_range=0.2)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())
@@ -63,13 +63,13 @@ class OracleProposer:
         assert features.shape[-1] == len(LAYER_IDS) * H
         self.length += features.shape[0]
 
-    def propose(self, anchor_token, block_size):
+    def propose(self, anchor_token, verify_size):
         g = self.length - self.prompt_length  # index of the anchor in the generated tokens
         assert self.reference[g] == anchor_token
-        drafts = list(self.reference[g + 1:g + block_size])
-        drafts += [0] * (block_size - 1 - len(drafts))
-        wrong = self.wrong_at(self.blocks, block_size)
-        self.proposed.append((wrong, block_size))
+        drafts = list(self.reference[g + 1:g + verify_size])
+        drafts += [0] * (verify_size - 1 - len(drafts))
+        wrong = self.wrong_at(self.blocks, verify_size)
+        self.proposed.append((wrong, verify_size))
         if wrong is not None and wrong - 1 < len(drafts):
             drafts[wrong - 1] = (drafts[wrong - 1] + 1) % V
         self.blocks += 1
@@ -80,37 +80,37 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return torch.randint(0, V, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("verify_size", [2, 4, 16])
 @pytest.mark.parametrize("prompt_length, max_new_tokens", [(3, 21), (10, 37), (17, 16)])
-def test_untrained_drafter_is_lossless(any_target, block_size, prompt_length, max_new_tokens):
+def test_untrained_drafter_is_lossless(any_target, verify_size, prompt_length, max_new_tokens):
     """Max new token counts that are not multiples of the block size end mid-block."""
     target = any_target
     prompt = prompt_ids(prompt_length, seed=prompt_length)
     reference = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=set())
     assert len(reference.tokens) == max_new_tokens
-    out = speculative_generate(target, untrained_proposer(target, block_size), prompt,
-                               max_new_tokens=max_new_tokens, block_size=block_size,
+    out = speculative_generate(target, untrained_proposer(target, verify_size), prompt,
+                               max_new_tokens=max_new_tokens, verify_size=verify_size,
                                layer_ids=LAYER_IDS, stop_token_ids=set())
     assert out.tokens == reference.tokens
     # The prefill makes the first token; every verify commits accepted + 1 of the rest.
     assert sum(out.acceptance_lengths) == max_new_tokens - 1
-    assert all(1 <= n <= block_size for n in out.acceptance_lengths)
+    assert all(1 <= n <= verify_size for n in out.acceptance_lengths)
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_perfect_drafter_fills_every_block(target, block_size):
+@pytest.mark.parametrize("verify_size", [2, 4, 16])
+def test_perfect_drafter_fills_every_block(target, verify_size):
     prompt, n = prompt_ids(9, seed=3), 40
     reference = greedy_generate(target, prompt, max_new_tokens=n, stop_token_ids=set())
     out = speculative_generate(target, OracleProposer(reference.tokens, len(prompt)), prompt,
-                               max_new_tokens=n, block_size=block_size, layer_ids=LAYER_IDS,
+                               max_new_tokens=n, verify_size=verify_size, layer_ids=LAYER_IDS,
                                stop_token_ids=set())
     assert out.tokens == reference.tokens
-    full, rest = divmod(n - 1, block_size)
-    assert out.acceptance_lengths == [block_size] * full + ([rest] if rest else [])
+    full, rest = divmod(n - 1, verify_size)
+    assert out.acceptance_lengths == [verify_size] * full + ([rest] if rest else [])
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_partly_wrong_drafter_accepts_up_to_the_first_error(target, block_size):
+@pytest.mark.parametrize("verify_size", [4, 16])
+def test_partly_wrong_drafter_accepts_up_to_the_first_error(target, verify_size):
     """Block j's draft at position w = 1 + j % (B-1) is wrong: that block commits exactly w
     tokens (the w - 1 accepted drafts and the bonus; a block the token budget shortened below
     w commits all of it), and the output stays exact."""
@@ -118,7 +118,7 @@ def test_partly_wrong_drafter_accepts_up_to_the_first_error(target, block_size):
     reference = greedy_generate(target, prompt, max_new_tokens=n, stop_token_ids=set())
     proposer = OracleProposer(reference.tokens, len(prompt),
                               wrong_at=lambda block, size: 1 + block % (size - 1))
-    out = speculative_generate(target, proposer, prompt, max_new_tokens=n, block_size=block_size,
+    out = speculative_generate(target, proposer, prompt, max_new_tokens=n, verify_size=verify_size,
                                layer_ids=LAYER_IDS, stop_token_ids=set())
     assert out.tokens == reference.tokens
     expected = [wrong if wrong < size else size for wrong, size in proposer.proposed]
@@ -127,8 +127,8 @@ def test_partly_wrong_drafter_accepts_up_to_the_first_error(target, block_size):
     assert out.acceptance_lengths == expected + [1] * (len(out.acceptance_lengths) - len(expected))
 
 
-@pytest.mark.parametrize("block_size", [2, 16])
-def test_stop_token_ends_both_outputs(target, block_size):
+@pytest.mark.parametrize("verify_size", [2, 16])
+def test_stop_token_ends_both_outputs(target, verify_size):
     prompt = prompt_ids(8, seed=5)
     free = greedy_generate(target, prompt, max_new_tokens=30, stop_token_ids=set()).tokens
     stop = free[12]
@@ -136,7 +136,7 @@ def test_stop_token_ends_both_outputs(target, block_size):
     reference = greedy_generate(target, prompt, max_new_tokens=30, stop_token_ids={stop})
     assert reference.tokens == free[:first + 1]
     out = speculative_generate(target, OracleProposer(free, len(prompt)), prompt, max_new_tokens=30,
-                               block_size=block_size, layer_ids=LAYER_IDS, stop_token_ids={stop})
+                               verify_size=verify_size, layer_ids=LAYER_IDS, stop_token_ids={stop})
     assert out.tokens == reference.tokens
 
 
@@ -164,11 +164,12 @@ def test_evaluate_online_reports_lossless_and_speed(target):
     prompts = [Prompt(source={"file": "p.jsonl", "index": i}, token_ids=prompt_ids(4 + 3 * i, seed=10 + i))
                for i in range(3)]
     result = evaluate_online(target, untrained_proposer(target, 4), prompts, max_new_tokens=12,
-                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set())
+                             verify_size=4, layer_ids=LAYER_IDS, stop_token_ids=set())
     assert result["lossless"] is True
     assert result["mismatches"] == []
     assert result["num_prompts"] == 3
     assert result["new_tokens"] == 36
+    assert (result["num_drafts"], result["verify_size"]) == (3, 4) and len(result["per_position_acceptance"]) == 3
     assert 1.0 <= result["acceptance_length"] <= 4.0
     assert result["tokens_per_s"] > 0 and result["baseline_tokens_per_s"] > 0
 
@@ -187,7 +188,7 @@ def test_evaluate_online_reports_a_mismatch(target, monkeypatch):
 
     monkeypatch.setattr(online, "speculative_generate", diverging)
     result = evaluate_online(target, untrained_proposer(target, 4), prompts, max_new_tokens=10,
-                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+                             verify_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
     assert result["lossless"] is False
     (mismatch,) = result["mismatches"]
     assert (mismatch["file"], mismatch["index"], mismatch["position"]) == ("p.jsonl", 7, 3)
@@ -247,7 +248,7 @@ def test_cpu_decoding_leaves_torch_linear_alone(target):
     try:
         prompt = prompt_ids(7, seed=8)
         reference = greedy_generate(target, prompt, max_new_tokens=9, stop_token_ids=set())
-        out = speculative_generate(target, proposer, prompt, max_new_tokens=9, block_size=4,
+        out = speculative_generate(target, proposer, prompt, max_new_tokens=9, verify_size=4,
                                    layer_ids=LAYER_IDS, stop_token_ids=set())
     finally:
         for hook in hooks:
@@ -398,7 +399,7 @@ def test_planted_mismatches_in_bf16(bf16_target, monkeypatch, position_of, repla
     prompts = [Prompt(source={"file": "p.jsonl", "index": 3}, token_ids=prompt_ids(6, seed=30))]
     planted(monkeypatch, position_of, replacement)
     result = evaluate_online(bf16_target, untrained_proposer(bf16_target, 4), prompts, max_new_tokens=24,
-                             block_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+                             verify_size=4, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
     (mismatch,) = result["mismatches"]
     assert (result["num_near_ties"], result["num_real_mismatches"]) == (near_ties, real)
     assert result["lossless"] is (real == 0) and result["per_prompt"][0]["lossless"] is (real == 0)
@@ -407,14 +408,14 @@ def test_planted_mismatches_in_bf16(bf16_target, monkeypatch, position_of, repla
         assert mismatch["reference_gap"] == mismatch["reference_margin"] <= near_tie_bound(1.0, torch.bfloat16)
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_bf16_decoding_differs_only_at_near_ties(bf16_target, block_size):
+@pytest.mark.parametrize("verify_size", [4, 16])
+def test_bf16_decoding_differs_only_at_near_ties(bf16_target, verify_size):
     """Real speculative decoding of the bf16 random target: wherever it leaves the greedy output
     (a B-token verify and a one-token step round differently), it is at a near-tie."""
     prompts = [Prompt(source={"file": "p.jsonl", "index": i}, token_ids=prompt_ids(5 + 4 * i, seed=40 + i))
                for i in range(4)]
-    result = evaluate_online(bf16_target, untrained_proposer(bf16_target, block_size), prompts, max_new_tokens=32,
-                             block_size=block_size, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
+    result = evaluate_online(bf16_target, untrained_proposer(bf16_target, verify_size), prompts, max_new_tokens=32,
+                             verify_size=verify_size, layer_ids=LAYER_IDS, stop_token_ids=set(), warmup=False)
     assert result["num_real_mismatches"] == 0 and result["lossless"] is True
     assert result["num_near_ties"] == len(result["mismatches"])
 

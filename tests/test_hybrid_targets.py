@@ -64,20 +64,20 @@ class CyclingProposer:
         n = features.shape[0]
         self.committed = list(self.prompt) if not self.committed else self.committed + self.block[:n]
 
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         ids = self.committed + [anchor_token]
         drafts = []
-        for _ in range(block_size - 1):
+        for _ in range(verify_size - 1):
             drafts.append(int(scratch_logits(self.target, ids + drafts)[-1].argmax()))
-        wrong = 1 + self.blocks % block_size
-        if wrong < block_size:
+        wrong = 1 + self.blocks % verify_size
+        if wrong < verify_size:
             drafts[wrong - 1] = (drafts[wrong - 1] + 1) % V
         self.blocks += 1
         self.block = [anchor_token] + drafts
         return drafts
 
 
-def scratch_speculative(target, proposer, prompt, *, max_new_tokens, block_size, sampler=None):
+def scratch_speculative(target, proposer, prompt, *, max_new_tokens, verify_size, sampler=None):
     """`speculative_generate`'s loop with no cache: (tokens, committed per verify, margins)."""
     last = scratch_logits(target, prompt)[-1:]
     tokens = last.argmax(-1).tolist() if sampler is None else sampler.sample(last)
@@ -85,7 +85,7 @@ def scratch_speculative(target, proposer, prompt, *, max_new_tokens, block_size,
     proposer.commit(torch.zeros(len(prompt), 1))
     acceptance, margins = [], []
     while len(tokens) < max_new_tokens:
-        size = min(block_size, max_new_tokens - len(tokens))
+        size = min(verify_size, max_new_tokens - len(tokens))
         block = [tokens[-1]] + (proposer.propose(tokens[-1], size) if size > 1 else [])
         logits = scratch_logits(target, prompt + tokens[:-1] + block)[-size:]  # [size, V]
         if sampler is None:
@@ -105,30 +105,30 @@ def scratch_speculative(target, proposer, prompt, *, max_new_tokens, block_size,
     return tokens, acceptance, margins
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_greedy_equals_the_target_and_the_scratch_loop(target, block_size):
+@pytest.mark.parametrize("verify_size", [2, 4])
+def test_greedy_equals_the_target_and_the_scratch_loop(target, verify_size):
     n = 26
     greedy = greedy_generate(target, PROMPT, max_new_tokens=n, stop_token_ids=set())
     spec = speculative_generate(target, CyclingProposer(target, PROMPT), PROMPT, max_new_tokens=n,
-                                block_size=block_size, layer_ids=LAYER_IDS, stop_token_ids=set())
+                                verify_size=verify_size, layer_ids=LAYER_IDS, stop_token_ids=set())
     tokens, acceptance, margins = scratch_speculative(target, CyclingProposer(target, PROMPT), PROMPT,
-                                                      max_new_tokens=n, block_size=block_size)
+                                                      max_new_tokens=n, verify_size=verify_size)
     assert min(margins) > 1e-3  # no near-tie: equal ids are a fair test
     assert spec.tokens == greedy.tokens == tokens
     assert spec.acceptance_lengths == acceptance
     # Every rollback size happened: 0 (all accepted) to B-1 (all rejected).
-    assert set(spec.acceptance_lengths[:-1]) == set(range(1, block_size + 1))
+    assert set(spec.acceptance_lengths[:-1]) == set(range(1, verify_size + 1))
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_sampled_equals_the_scratch_loop_with_the_same_seed(target, temperature):
-    n, block_size = 24, 4
+    n, verify_size = 24, 4
     spec = speculative_generate(
-        target, CyclingProposer(target, PROMPT), PROMPT, max_new_tokens=n, block_size=block_size,
+        target, CyclingProposer(target, PROMPT), PROMPT, max_new_tokens=n, verify_size=verify_size,
         layer_ids=LAYER_IDS, stop_token_ids=set(),
         sampler=MatchSampler(temperature, torch.Generator().manual_seed(7)))
     tokens, acceptance, _ = scratch_speculative(
-        target, CyclingProposer(target, PROMPT), PROMPT, max_new_tokens=n, block_size=block_size,
+        target, CyclingProposer(target, PROMPT), PROMPT, max_new_tokens=n, verify_size=verify_size,
         sampler=MatchSampler(temperature, torch.Generator().manual_seed(7)))
     assert spec.tokens == tokens
     assert spec.acceptance_lengths == acceptance
@@ -146,7 +146,7 @@ def test_a_family_that_cannot_roll_back_is_refused_by_name():
     reason = rollback_refusal(zaya)
     assert reason is not None and "zaya" in reason and "recurrent state" in reason and "\n" not in reason
     with pytest.raises(ValueError, match="cannot be made exact on zaya targets"):
-        speculative_generate(zaya, CyclingProposer(zaya, PROMPT), PROMPT, max_new_tokens=8, block_size=4,
+        speculative_generate(zaya, CyclingProposer(zaya, PROMPT), PROMPT, max_new_tokens=8, verify_size=4,
                              layer_ids=[0, 1], stop_token_ids=set())
 
 

@@ -30,7 +30,7 @@ from dflash.train.loading import load_drafter, load_exported
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.train.synthetic import write_synthetic_training_cache
 
-RUN_BLOCK = 4  # the run's block size; the sources are made for 8 (block size may differ)
+RUN_BLOCK = 4  # the run's verify size; the sources are made for 8 (the verify size may differ)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,8 @@ def step0(run: Path) -> DFlashDrafter:
 
 def offline(drafter: DFlashDrafter, cache: Path) -> dict:
     c = open_cache(cache)
-    return evaluate_offline(drafter, TargetHead.load(c.target_dir), [c[i] for i in range(len(c))], block_size=RUN_BLOCK)
+    return evaluate_offline(drafter, TargetHead.load(c.target_dir), [c[i] for i in range(len(c))],
+                            verify_size=RUN_BLOCK)
 
 
 # -- the exact warm start -------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_reference_style_loop_matches_online_eval(target, target_dir, tmp_path, 
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())
     online = evaluate_online(target, DrafterProposer(drafter, head), [Prompt(source={}, token_ids=prompt)],
-                             max_new_tokens=MAX_NEW_TOKENS, block_size=BLOCK, layer_ids=LAYER_IDS,
+                             max_new_tokens=MAX_NEW_TOKENS, verify_size=BLOCK, layer_ids=LAYER_IDS,
                              stop_token_ids={stop}, warmup=False)
     tokens, acceptance = reference_style_generate(target, drafter, head, prompt, max_new_tokens=MAX_NEW_TOKENS,
                                                   stop_token_ids={stop})

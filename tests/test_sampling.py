@@ -67,10 +67,10 @@ class GreedyTargetProposer:
         n = features.shape[0]
         self.tokens = list(self.prompt) if not self.tokens else self.tokens + self.block[:n]
 
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         sequence = self.tokens + [anchor_token]
         drafts = []
-        for _ in range(block_size - 1):
+        for _ in range(verify_size - 1):
             key = tuple(sequence)
             if key not in self.memo:
                 self.memo[key] = int(self.target(torch.tensor([sequence])).logits[0, -1].argmax())
@@ -119,7 +119,7 @@ def first_tokens(target, sampler: str, seed: int, memo: dict) -> tuple[int, ...]
         # One token more than K: the first verify after the prefill's token then drafts a
         # whole block (a budget of K would shorten it to K - 1 tokens).
         out = speculative_generate(target, GreedyTargetProposer(target, PROMPT, memo), PROMPT,
-                                   max_new_tokens=K + 1, block_size=BLOCK, layer_ids=LAYER_IDS,
+                                   max_new_tokens=K + 1, verify_size=BLOCK, layer_ids=LAYER_IDS,
                                    stop_token_ids=set(), sampler=kind(T, torch.Generator().manual_seed(seed)))
         assert sum(out.acceptance_lengths) == K and out.drafted[0] == BLOCK - 1
     return tuple(out.tokens[:K])
@@ -142,7 +142,7 @@ def test_speculative_sampling_accepts_drafts_and_is_seeded(target):
 
     def decode(seed):
         return speculative_generate(target, GreedyTargetProposer(target, PROMPT, memo), PROMPT, max_new_tokens=24,
-                                    block_size=BLOCK, layer_ids=LAYER_IDS, stop_token_ids=set(),
+                                    verify_size=BLOCK, layer_ids=LAYER_IDS, stop_token_ids=set(),
                                     sampler=MatchSampler(T, torch.Generator().manual_seed(seed)))
 
     runs = [decode(seed) for seed in range(20)]

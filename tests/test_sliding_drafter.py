@@ -222,8 +222,8 @@ def test_a_full_config_is_stored_as_before_and_a_sliding_one_round_trips():
 # -- online ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_speculative_decoding_with_a_sliding_drafter_is_lossless_past_its_window(block_size):
+@pytest.mark.parametrize("verify_size", [2, 4])
+def test_speculative_decoding_with_a_sliding_drafter_is_lossless_past_its_window(verify_size):
     from dflash.testing.builders import tiny_causal_lm
     from dflash.train.model import TargetHead
     from dflash.train.speculative import DrafterProposer, greedy_generate, speculative_generate
@@ -232,14 +232,14 @@ def test_speculative_decoding_with_a_sliding_drafter_is_lossless_past_its_window
     V = target.get_input_embeddings().weight.shape[0]
     torch.manual_seed(1)
     cfg = drafter_config(num_hidden_layers=2, vocab_size=V, target_layer_ids=[1, 3], num_target_layers=6,
-                         num_drafts=block_size - 1, mask_token_id=V - 1, initializer_range=0.2,
+                         num_drafts=verify_size - 1, mask_token_id=V - 1, initializer_range=0.2,
                          layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     head = TargetHead(embed_tokens=target.get_input_embeddings().weight.detach(),
                       lm_head=target.get_output_embeddings().weight.detach())
     prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(2)).tolist()
     reference = greedy_generate(target, prompt, max_new_tokens=20, stop_token_ids=set())
     out = speculative_generate(target, DrafterProposer(DFlashDrafter(cfg, attention="dense"), head), prompt,
-                               max_new_tokens=20, block_size=block_size, layer_ids=[1, 3], stop_token_ids=set())
+                               max_new_tokens=20, verify_size=verify_size, layer_ids=[1, 3], stop_token_ids=set())
     assert out.tokens == reference.tokens
     assert sum(out.acceptance_lengths) == 20 - 1
 

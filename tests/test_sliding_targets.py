@@ -37,7 +37,7 @@ def sliding_target(kind: str):
 def test_speculative_decoding_is_lossless_past_the_window(kind):
     target = sliding_target(kind)
     greedy = greedy_generate(target, PROMPT, max_new_tokens=24, stop_token_ids=set())
-    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, 32), PROMPT, max_new_tokens=24, block_size=3,
+    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, 32), PROMPT, max_new_tokens=24, verify_size=3,
                                 layer_ids=[0, 1], stop_token_ids=set())
     assert len(PROMPT) + len(spec.tokens) > 2 * WINDOW
     assert spec.tokens == greedy.tokens

@@ -116,7 +116,7 @@ def test_mt_benchs_second_turn_follows_the_first_turns_decoded_reply(tmp_path, m
 
     monkeypatch.setattr(online, "speculative_generate", recording)
     result = evaluate_online(target, DrafterProposer(DFlashDrafter(config, attention="dense"), head), prompts,
-                             max_new_tokens=12, block_size=4, layer_ids=[1, 3], stop_token_ids={2}, warmup=False,
+                             max_new_tokens=12, verify_size=4, layer_ids=[1, 3], stop_token_ids={2}, warmup=False,
                              temperature=temperature, renderer=renderer)
     assert result["num_prompts"] == 2 and result["num_turns"] == 4
     assert [(p["index"], p["turn"]) for p in result["per_prompt"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]

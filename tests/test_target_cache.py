@@ -99,7 +99,7 @@ def test_dense_and_sliding_decoding_is_exact(form, kind):
     target = target_of(kind)
     assert rollback_refusal(target) is None
     greedy = greedy_generate(target, PROMPT, max_new_tokens=24, stop_token_ids=set())
-    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=24, block_size=3,
+    spec = speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=24, verify_size=3,
                                 layer_ids=[0, 1], stop_token_ids=set())
     assert len(PROMPT) + len(spec.tokens) > 2 * WINDOW  # past the window: crops act on the sliding layer
     assert spec.tokens == greedy.tokens
@@ -115,5 +115,5 @@ def test_a_hybrid_without_per_token_recurrent_states_is_refused_by_name_and_vers
             f"qwen3_next's recurrent state; this is {form}")
     assert rollback_refusal(target) == line
     with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
-        speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=8, block_size=4,
+        speculative_generate(target, HalfRightProposer(target, PROMPT, V), PROMPT, max_new_tokens=8, verify_size=4,
                              layer_ids=[0, 2], stop_token_ids=set())

@@ -3,12 +3,14 @@ alone (no target model), for `dflash-train eval`.
 
 For every eligible anchor a of a sequence (`dflash.train.data.eligible_anchors`: a reply
 token followed by a reply token, the same rule training draws its anchors from), the drafter
-drafts the block `[x[a], MASK x (B-1)]` from the cached features at positions < a. Block
-position k (1..B-1) is compared with the target's greedy choice for token a+k, which is the
-cached top-1 at position a+k-1 (the cached distribution at t is the target's prediction for
-t+1). Position k is *scored* while a+k is inside the sequence and a reply token
-(loss_mask[a+k]), exactly where training puts a label. accepted(a) = the number of leading
-scored positions that match; tau(a) = 1 + accepted(a) (the target's bonus token), at most B.
+drafts the block `[x[a], MASK x (B-1)]` from the cached features at positions < a, B the
+verify size (`verify_size`: the anchor and its B - 1 drafts; the kind turns the drafts into
+its rows). Block position k (1..B-1) is compared with the target's greedy choice for token
+a+k, which is the cached top-1 at position a+k-1 (the cached distribution at t is the
+target's prediction for t+1). Position k is *scored* while a+k is inside the sequence and a
+reply token (loss_mask[a+k]), exactly where training puts a label. accepted(a) = the number
+of leading scored positions that match; tau(a) = 1 + accepted(a) (the target's bonus token),
+at most B.
 
 - `acceptance_length`: the mean of tau(a) over all anchors: every reply position weighs the
   same.
@@ -116,7 +118,7 @@ def sequence_acceptance(
     features: np.ndarray,
     top1: np.ndarray,
     *,
-    block_size: int,
+    verify_size: int,
     anchors_per_call: int = 256,
     argmax_rows: int = 1024,
     stop_token_ids: set[int] | None = None,
@@ -131,7 +133,7 @@ def sequence_acceptance(
     head = head.for_drafter(drafter)  # a draft vocabulary's rows, when it has one
     device = head.embed_tokens.device
     T = int(input_ids.shape[0])
-    B = block_size
+    B = verify_size
     anchors = eligible_anchors(loss_mask)  # [A] int64
     k = np.arange(1, B)  # [B-1]
     label_pos = anchors[:, None] + k[None, :]  # [A, B-1]: the token block position k predicts
@@ -167,7 +169,7 @@ def sequence_acceptance(
 class OfflineTotals:
     """Sums over sequences, turned into the reported figures by `summary`."""
 
-    block_size: int
+    verify_size: int
     num_sequences: int = 0
     num_anchors: int = 0
     accepted_sum: int = 0
@@ -177,7 +179,7 @@ class OfflineTotals:
     replay_taus: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        width = self.block_size - 1
+        width = self.verify_size - 1
         self.reached = np.zeros(width, np.int64)
         self.matched = np.zeros(width, np.int64)
         self.scored = np.zeros(width, np.int64)
@@ -186,7 +188,7 @@ class OfflineTotals:
         self.num_sequences += 1
         self.num_anchors += int(seq.anchors.shape[0])
         self.accepted_sum += int(seq.accepted.sum())
-        k = np.arange(1, self.block_size)
+        k = np.arange(1, self.verify_size)
         self.reached += (seq.accepted[:, None] >= k[None, :]).sum(axis=0)
         self.matched += seq.matches.sum(axis=0)
         self.scored += seq.scored.sum(axis=0)
@@ -204,8 +206,8 @@ class OfflineTotals:
             "num_sequences": self.num_sequences,
             "replay_acceptance_length": (float(np.mean(self.replay_taus)) if self.replay_taus else None),
             "num_replay_verifications": len(self.replay_taus),
-            "num_drafts": self.block_size - 1,
-            "verify_size": self.block_size,
+            "num_drafts": self.verify_size - 1,
+            "verify_size": self.verify_size,
         }
 
 
@@ -214,7 +216,7 @@ def evaluate_offline(
     head: TargetHead,
     sequences: Iterable[Any],
     *,
-    block_size: int,
+    verify_size: int,
     anchors_per_call: int = 256,
     progress: Any = None,
     stop_token_ids: set[int] | None = None,
@@ -224,12 +226,12 @@ def evaluate_offline(
     stop_token_ids: see `sequence_acceptance`.
     """
     drafter.eval()
-    totals = OfflineTotals(block_size=block_size)
+    totals = OfflineTotals(verify_size=verify_size)
     for seq in sequences:
         totals.add(sequence_acceptance(
             drafter, head, seq.input_ids, seq.loss_mask, seq.features,
             target_top1(seq.topk_ids, seq.topk_logprobs),
-            block_size=block_size, anchors_per_call=anchors_per_call, stop_token_ids=stop_token_ids))
+            verify_size=verify_size, anchors_per_call=anchors_per_call, stop_token_ids=stop_token_ids))
         if progress is not None:
             progress(totals)
     return totals.summary()

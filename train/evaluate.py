@@ -263,7 +263,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     loaded = load_drafter(config.run, config.checkpoint, device=device)
     drafter = loaded.drafter.eval()
     # The verify: the drafts and the target's bonus token.
-    block_size = (drafter.config.num_drafts if config.num_drafts is None else config.num_drafts) + 1
+    verify_size = (drafter.config.num_drafts if config.num_drafts is None else config.num_drafts) + 1
     result: dict[str, Any] = {"checkpoint": str(loaded.checkpoint), "step": loaded.step}
 
     selection, keep = _select(config, loaded)
@@ -277,7 +277,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
             _check_cache(cache, drafter)
             warnings.append(check_same_target(f"--cache {cache.path}", cache_fingerprint(cache), run_fingerprint,
                                               allow=config.allow_target_mismatch))
-        result.update(_offline(drafter, selection, block_size=block_size, device=device,
+        result.update(_offline(drafter, selection, verify_size=verify_size, device=device,
                                show_progress=show_progress))
     if config.online:
         warnings.append(check_same_target(f"--target {config.target}", target_fingerprint(config.target),
@@ -286,7 +286,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
                           else _run_cache(loaded) if suite_specs(config.prompts) is not None else None)
         try:
             result.update(_online(config, match_features(drafter, None, fit_caches), template_cache, keep,
-                                  block_size=block_size, device=device, show_progress=show_progress))
+                                  verify_size=verify_size, device=device, show_progress=show_progress))
         except OnlineRefused as refused:
             if not selection:
                 raise
@@ -298,7 +298,7 @@ def run_eval(config: EvalConfig, *, show_progress: bool = True) -> dict[str, Any
     return result
 
 
-def _offline(drafter: DFlashDrafter, selection: list, *, block_size: int, device: torch.device,
+def _offline(drafter: DFlashDrafter, selection: list, *, verify_size: int, device: torch.device,
              show_progress: bool) -> dict[str, Any]:
     """The offline figures of the selected (cache, sequence indices), with a progress bar."""
     from tqdm import tqdm
@@ -312,7 +312,7 @@ def _offline(drafter: DFlashDrafter, selection: list, *, block_size: int, device
         bar.set_postfix(tau=f"{1 + totals.accepted_sum / max(totals.num_anchors, 1):.3f}")
 
     sequences = (cache[i] for cache, indices in selection for i in indices)
-    figures = evaluate_offline(drafter, head, sequences, block_size=block_size, progress=progress,
+    figures = evaluate_offline(drafter, head, sequences, verify_size=verify_size, progress=progress,
                                stop_token_ids=cache_stop_token_ids(selection[0][0].target_dir))
     bar.close()
     figures["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
@@ -325,7 +325,7 @@ class OnlineRefused(ValueError):
     """The target's family cannot be decoded exactly (its cache cannot be rolled back)."""
 
 
-def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, keep: Any, *, block_size: int,
+def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, keep: Any, *, verify_size: int,
             device: torch.device, show_progress: bool) -> dict[str, Any]:
     """{"online": figures} for a records file, or {"suites": [figures per suite]}: speculative
     decoding against the target (`drafter` with raw features, the chat template of
@@ -353,7 +353,7 @@ def _online(config: EvalConfig, drafter: DFlashDrafter, template_cache: Any, kee
             bar.set_postfix(tau=f"{np.mean(taus) if taus else 0:.3f}", mismatches=len(mismatches))
 
         online = evaluate_online(target, proposer, prompts, max_new_tokens=config.max_new_tokens,
-                                 block_size=block_size, layer_ids=drafter.config.target_layer_ids,
+                                 verify_size=verify_size, layer_ids=drafter.config.target_layer_ids,
                                  stop_token_ids=stop, progress=online_progress, temperature=config.temperature,
                                  seed=config.seed, renderer=renderer)
         bar.close()
@@ -465,7 +465,8 @@ def format_suites(entries: list[dict[str, Any]]) -> str:
     width = max(10, *(len(e["suite"]) + 2 for e in entries))
     temperatures = sorted({e["temperature"] for e in entries})
     lines = ["suites   " + ", ".join(f"temperature {t:g}" for t in temperatures)
-             + f", block {entries[0]['block_size']}, at most {entries[0]['max_new_tokens']} new tokens per turn",
+             + f", {entries[0]['num_drafts']} drafts per verify of {entries[0]['verify_size']}"
+             + f", at most {entries[0]['max_new_tokens']} new tokens per turn",
              f"{'':24s}" + "".join(f"{e['suite']:>{width}s}" for e in entries)]
 
     def row(label: str, values: list[str]) -> str:

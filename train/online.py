@@ -253,12 +253,13 @@ def turn_seed(seed: int, prompt: int, turn: int) -> int:
     return int(np.random.SeedSequence([seed, prompt, turn]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def per_position_acceptance(acceptance_lengths: list[int], drafted: list[int], block_size: int) -> list[float | None]:
-    """[B-1]: per block position k, the share of the verifies that drafted k whose drafts 1..k
-    were all accepted (None where no verify drafted k)."""
+def per_position_acceptance(acceptance_lengths: list[int], drafted: list[int],
+                            verify_size: int) -> list[float | None]:
+    """[verify_size - 1]: per block position k, the share of the verifies that drafted k whose
+    drafts 1..k were all accepted (None where no verify drafted k)."""
     accepted, drafted_ = np.asarray(acceptance_lengths) - 1, np.asarray(drafted)
     shares = []
-    for k in range(1, block_size):
+    for k in range(1, verify_size):
         checked = drafted_ >= k
         shares.append(round(float((accepted[checked] >= k).mean()), 6) if checked.any() else None)
     return shares
@@ -270,7 +271,7 @@ def evaluate_online(
     prompts: list[Prompt],
     *,
     max_new_tokens: int,
-    block_size: int,
+    verify_size: int,
     layer_ids: list[int],
     stop_token_ids: set[int],
     warmup: bool = True,
@@ -286,6 +287,8 @@ def evaluate_online(
     speculative decoding; alternating keeps slow drifts of the machine from favouring one
     side. With `warmup`, both run once untimed on the first prompt (allocator and kernel
     warm-up). temperature 0: greedy, checked token for token; > 0: sampled (module docstring).
+    verify_size: the tokens one verify checks, the anchor and its drafts (num_drafts + 1; 1 is
+    plain decoding).
     """
     if not prompts:
         raise ValueError("no prompt to decode: give JSONL chat records with a user turn")
@@ -301,7 +304,7 @@ def evaluate_online(
     if warmup:
         greedy_generate(target, prompts[0].token_ids, max_new_tokens=min(8, max_new_tokens),
                         stop_token_ids=stop_token_ids, temperature=temperature, seed=seed)
-        speculative_generate(target, proposer, prompts[0].token_ids, block_size=block_size,
+        speculative_generate(target, proposer, prompts[0].token_ids, verify_size=verify_size,
                              layer_ids=layer_ids, max_new_tokens=min(8, max_new_tokens),
                              stop_token_ids=stop_token_ids, sampler=sampler(0, 0))  # turn 0: no real turn
     taus: list[int] = []
@@ -313,7 +316,7 @@ def evaluate_online(
         for turn in range(1, 2 + len(later)):
             reference = greedy_generate(target, token_ids, temperature=temperature,
                                         seed=turn_seed(seed, i, turn) if sampled else 0, **kwargs)
-            output = speculative_generate(target, proposer, token_ids, block_size=block_size,
+            output = speculative_generate(target, proposer, token_ids, verify_size=verify_size,
                                           layer_ids=layer_ids, sampler=sampler(i, turn), **kwargs)
             base_tokens += len(reference.tokens)
             base_s += reference.elapsed_s
@@ -345,7 +348,7 @@ def evaluate_online(
         "acceptance_length": float(np.mean(taus)) if taus else None,
         # z-lab's "Average Acceptance length": the mean over turns of each turn's mean
         "mean_turn_acceptance_length": float(np.mean(turn_taus)) if turn_taus else None,
-        "per_position_acceptance": per_position_acceptance(taus, drafted, block_size),
+        "per_position_acceptance": per_position_acceptance(taus, drafted, verify_size),
         "lossless": None if sampled else not real,
         "mismatches": mismatches,  # near-ties and real ones, each with "near_tie"
         "num_near_ties": None if sampled else len(mismatches) - len(real),
@@ -358,7 +361,8 @@ def evaluate_online(
         "num_verifications": len(taus),
         "new_tokens": int(spec_tokens),
         "max_new_tokens": max_new_tokens,
-        "block_size": block_size,
+        "num_drafts": verify_size - 1,  # drafts per verify; 0: plain decoding
+        "verify_size": verify_size,  # the anchor and its drafts, what tau counts against
         "temperature": temperature,
         "seed": seed if sampled else None,
         "per_prompt": per_prompt,

@@ -233,9 +233,10 @@ class Proposer(Protocol):
     def commit(self, features: torch.Tensor) -> None:
         """Append the target features [n, L*H] of the next n committed positions."""
 
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         """Draft the block anchored at the position right after the committed context:
-        returns block_size - 1 token ids (block positions 1..block_size-1)."""
+        returns verify_size - 1 token ids (block positions 1..verify_size-1): the drafts of a
+        verify of `verify_size` tokens, the anchor and its drafts."""
 
 
 class DrafterProposer:
@@ -258,17 +259,17 @@ class DrafterProposer:
 
     @_drafting
     @torch.inference_mode()
-    def propose(self, anchor_token: int, block_size: int) -> list[int]:
-        return self.draft(anchor_token, block_size).tokens[0].tolist()
+    def propose(self, anchor_token: int, verify_size: int) -> list[int]:
+        return self.draft(anchor_token, verify_size).tokens[0].tolist()
 
     @torch.inference_mode()
-    def draft(self, anchor_token: int, block_size: int, *, margins: bool = False) -> drafters.Drafts:
-        """`propose`'s drafts of one block (tokens [1, block_size - 1]), and each draft's top-1
+    def draft(self, anchor_token: int, verify_size: int, *, margins: bool = False) -> drafters.Drafts:
+        """`propose`'s drafts of one block (tokens [1, verify_size - 1]), and each draft's top-1
         minus top-2 logit when `margins`: the kind's block (train/drafters/) through the
         decoding loop's small-row product."""
         device = self.head.embed_tokens.device
         kind = drafters.of(self.drafter)
-        rows = kind.block_rows(block_size - 1)
+        rows = kind.block_rows(verify_size - 1)
         block = torch.full((1, rows), self.mask_token_id, dtype=torch.long, device=device)  # [1, rows]
         block[0, 0] = anchor_token
         hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, rows, H]
@@ -318,7 +319,7 @@ class DecodeResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     """Per target verify: tokens committed (accepted drafts + 1). Empty for plain greedy."""
     drafted: list[int] = field(default_factory=list)
-    """Per target verify: drafts it checked (block size - 1, fewer in a last block the token
+    """Per target verify: drafts it checked (verify size - 1, fewer in a last block the token
     budget shortened)."""
     elapsed_s: float = 0.0
     """Wall time of the whole call, prefill included."""
@@ -349,7 +350,7 @@ def speculative_generate(
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
-    block_size: int,
+    verify_size: int,
     layer_ids: list[int],
     stop_token_ids: set[int],
     sampler: MatchSampler | None = None,
@@ -357,13 +358,14 @@ def speculative_generate(
     """Speculative decoding of one prompt (see the module docstring for the loop): greedy, or
     sampled by `sampler` (its `sample` and `verify`) when one is given.
 
-    The last verification is shortened so that no more than `max_new_tokens` tokens are
-    produced; a stop token ends the output (and is part of it), as in `generate`.
+    verify_size: the tokens one verify checks, the anchor and its drafts (num_drafts + 1; 1 is
+    plain decoding). The last verification is shortened so that no more than `max_new_tokens`
+    tokens are produced; a stop token ends the output (and is part of it), as in `generate`.
     """
     from transformers import DynamicCache  # here, so that `dflash-train --help` stays fast
 
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if verify_size < 1:
+        raise ValueError(f"verify_size must be >= 1, got {verify_size}")
     device = target.device
     family = target_family(target)
     _sync(device)
@@ -372,7 +374,7 @@ def speculative_generate(
     kv = DynamicCache(config=target.config)
     cache_arg = cache_kwarg(target)
     out = target(prompt, **{cache_arg: kv}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    record_past(kv, block_size)  # after the prefill: the prefill stays the target's own (target_cache.py)
+    record_past(kv, verify_size)  # after the prefill: the prefill stays the target's own (target_cache.py)
     proposer.reset()
     proposer.commit(target_features(out.hidden_states, layer_ids)[0])  # [T0, L*H]
     last = out.logits[0, -1:]  # [1, V]
@@ -382,7 +384,7 @@ def speculative_generate(
     drafted: list[int] = []
     while tokens[-1] not in stop_token_ids and len(tokens) < max_new_tokens:
         start = len(prompt_ids) + len(tokens) - 1  # position of the anchor, not yet consumed
-        size = min(block_size, max_new_tokens - len(tokens))  # commits at most `size` tokens
+        size = min(verify_size, max_new_tokens - len(tokens))  # commits at most `size` tokens
         block = [tokens[-1]] + (proposer.propose(tokens[-1], size) if size > 1 else [])
         out = target(
             torch.tensor([block], dtype=torch.long, device=device),  # [1, size]

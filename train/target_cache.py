@@ -2,7 +2,7 @@
 committed tokens, on every kind of layer transformers builds (full, sliding-window, linear
 attention).
 
-A verify forward feeds the anchor and the block's drafts (`fed` tokens, at most the block
+A verify forward feeds the anchor and the block's drafts (`fed` tokens, at most the verify
 size); once the target accepts n drafts, the cache must be what it would be after feeding only
 the n + 1 committed tokens. Per kind of cache layer (transformers' `cache_utils`; 5.25 unless
 said otherwise):
@@ -24,11 +24,11 @@ said otherwise):
   That is "snapshot the state and re-run the accepted tokens" without the re-run: the verify
   itself computes the state after every prefix of the block, and the committed one is kept.
 
-  N must cover the whole verify: anchor and drafts, i.e. the block size. transformers' own
+  N must cover the whole verify: anchor and drafts, i.e. the verify size. transformers' own
   assisted decoding passes the number of drafts, one short: then the first fed token runs
   through the chunked rule, the state after it is never recorded, and a verify that rejects
   every draft puts back the state from before the anchor (the anchor is lost from the state,
-  and the output drifts from greedy). `record_past` passes the block size.
+  and the output drifts from greedy). `record_past` passes the verify size.
 
   Before 5.25 (5.17, 5.19) the keyword does not exist: the layer records its conv input only
   and marks itself not croppable once it holds a recurrent state, so a target with recurrent
@@ -86,17 +86,18 @@ def _keeps_recurrent_states(layer: Any) -> bool:
     return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
 
 
-def record_past(cache: Any, block_size: int) -> None:
-    """Make every layer of `cache` able to drop up to `block_size` freshly fed positions, in
-    the form its transformers has (call it after the prefill, before the first verify; see the
-    module docstring). Full-attention layers record nothing; a recurrent layer that cannot
-    record per token is refused by `rollback` and `rollback_refusal`, not here."""
+def record_past(cache: Any, verify_size: int) -> None:
+    """Make every layer of `cache` able to drop up to `verify_size` freshly fed positions (one
+    verify: the anchor and its drafts), in the form its transformers has (call it after the
+    prefill, before the first verify; see the module docstring). Full-attention layers record
+    nothing; a recurrent layer that cannot record per token is refused by `rollback` and
+    `rollback_refusal`, not here."""
     for layer in cache.layers:
         activate = getattr(layer, "activate_past_recording", None)
         if activate is None:  # full attention: a crop alone is exact
             continue
         if _keeps_recurrent_states(layer):
-            activate(recurrent_states_to_keep=block_size)
+            activate(recurrent_states_to_keep=verify_size)
         else:
             activate()
 

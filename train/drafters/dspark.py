@@ -140,13 +140,13 @@ class DSparkDrafter(DFlashDrafter):
 # -- training ------------------------------------------------------------------------------
 
 
-def anchor_batch(batch, block_size: int):
-    """A batch read with blocks of block_size + 1 (labels x[a+1..a+N], train/data.py's
-    alignment) -> the DSpark batch of blocks of N = block_size: ids [x[a], MASK x (N-1)],
+def anchor_batch(batch, num_drafts: int):
+    """A batch read with blocks of num_drafts + 1 (labels x[a+1..a+N], train/data.py's
+    alignment) -> the DSpark batch of blocks of N = num_drafts rows: ids [x[a], MASK x (N-1)],
     label row k of an (N+1)-block becomes row k-1 of the N-block (position i predicts
     x[a+i+1]), label_positions 0..N-1. Weights and labels are unchanged, so position i weighs
     exp(-i/gamma), as DFlash's first draft weighs 1."""
-    N = block_size
+    N = num_drafts
     blocks = batch.block_ids.shape[0] // (N + 1)
     block_ids = batch.block_ids.view(blocks, N + 1)[:, :N].reshape(-1)  # [blocks*N]
     b, k = batch.label_rows // (N + 1), batch.label_rows % (N + 1)
