@@ -257,11 +257,10 @@ class DrafterProposer:
     def commit(self, features: torch.Tensor) -> None:
         self.drafter.append_context(self.cache, features[None])  # [1, n, L*H]
 
-    @_drafting
-    @torch.inference_mode()
     def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         return self.draft(anchor_token, verify_size).tokens[0].tolist()
 
+    @_drafting
     @torch.inference_mode()
     def draft(self, anchor_token: int, verify_size: int, *, margins: bool = False) -> drafters.Drafts:
         """`propose`'s drafts of one block (tokens [1, verify_size - 1]), and each draft's top-1
