@@ -157,15 +157,17 @@ DFLASH2 = {"mask_token_id": 48, "target_layer_ids": [1, 4, 7], "conv_kernel_size
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(architectures=["DFlash2DraftModel"], dflash_config=DFLASH2),
-     r"the checkpoint sets \['dflash_config.conv_kernel_size', 'dflash_config.conv_group_size', "
-     r"'dflash_config.selector_rank', 'dflash_config.selector_top_k'\] \(architectures \['DFlash2DraftModel'\]\): "
-     r"DFlash2's local convolutions and candidate selector are not implemented here"),
     (dict(dflash_config={**DFLASH2, "selector_rank": None, "selector_top_k": None}),  # under DFlash's architecture
-     r"sets \['dflash_config.conv_kernel_size', 'dflash_config.conv_group_size'\] \(architectures "
-     r"\['DFlashDraftModel'\]\): DFlash2's"),
+     r"sets \['dflash_config.conv_kernel_size', 'dflash_config.conv_group_size'\], DFlash2's fields, under "
+     r"architectures \['DFlashDraftModel'\]: a DFlash2 drafter's architectures is \['DFlash2DraftModel'\]"),
     (dict(architectures=["DFlash2DraftModel"]),
-     r"architectures is \['DFlash2DraftModel'\], not \['DFlashDraftModel'\]"),
+     r"a DFlash2 drafter's config needs \['dflash_config.conv_kernel_size', 'dflash_config.conv_group_size', "
+     r"'dflash_config.selector_rank', 'dflash_config.selector_top_k'\] \(vLLM's loader reads them\)"),
+    (dict(architectures=["DFlash2DraftModel"], dflash_config=DFLASH2, draft_vocab_size=24),
+     r"draft_vocab_size 24: a DFlash2 drafter scores the whole vocabulary"),
+    (dict(architectures=["DFlashDraftModel2"]),
+     r"architectures is \['DFlashDraftModel2'\], not \['DFlashDraftModel'\] or \['Qwen3DSparkModel'\] or "
+     r"\['DFlash2DraftModel'\]"),
     (dict(dflash_config={"mask_token_id": 48, "target_layer_ids": [1, 4, 7], "attention_sink_bias": True}),
      r"the checkpoint sets \['dflash_config.attention_sink_bias'\]"),
     (dict(add_swa_attention_sink_bias=True), r"\['dflash_config.attention_sink_bias'\]"),

@@ -166,7 +166,8 @@ def test_zlab_style_config_is_read(tmp_path):
     ({"attention_bias": True}, "attention_bias"),
     ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 3, "attention_sink_bias": True}},
      "attention_sink_bias"),
-    ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
+    ({"architectures": ["DFlash3DraftModel"]}, "architectures"),
+    ({"architectures": ["DFlash2DraftModel"]}, "conv_kernel_size"),
 ])
 def test_unsupported_checkpoints_are_refused(change, field):
     data = hf_config(make_config(num_hidden_layers=5), dtype="float32")

@@ -201,11 +201,10 @@ def test_the_flags_override_the_sources_layout(cache_dir, tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    (dict(architectures=["DFlash2DraftModel"],
-          dflash_config={"mask_token_id": 62, "target_layer_ids": [0, 2, 4], "conv_kernel_size": 2,
+    (dict(dflash_config={"mask_token_id": 62, "target_layer_ids": [0, 2, 4], "conv_kernel_size": 2,
                          "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}),
-     r"config.json: the checkpoint sets \['dflash_config.conv_kernel_size', .*'dflash_config.selector_top_k'\] "
-     r"\(architectures \['DFlash2DraftModel'\]\): DFlash2's local convolutions and candidate selector"),
+     r"config.json: the checkpoint sets \['dflash_config.conv_kernel_size', .*'dflash_config.selector_top_k'\], "
+     r"DFlash2's fields, under architectures \['DFlashDraftModel'\]"),
     (dict(dflash_config={"mask_token_id": 62, "target_layer_ids": [0, 2, 4], "attention_sink_bias": True}),
      r"config.json: .* the checkpoint sets \['dflash_config.attention_sink_bias'\]"),
     (dict(use_sliding_window=False), r"config.json: layer_types has sliding_attention layers but no window"),

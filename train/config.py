@@ -320,6 +320,7 @@ class FitConfig:
         if self.model.num_drafts is None:
             self.model = dataclasses.replace(self.model,
                                              num_drafts=drafters.get(self.model.drafter).default_num_drafts)
+        drafters.get(self.model.drafter).check_fit(self)
         rows = self.block_rows
         if self.data.tokens_per_step % rows:
             raise ValueError(

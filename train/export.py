@@ -100,6 +100,7 @@ def hf_config(config: DrafterConfig, *, dtype: str, token_ids: dict[str, Any] | 
             "block_size": kind.hf_block_size(config),
             **causal,
             "use_swa": False,
+            **kind.dflash_config_fields(config),  # the kind's own (vLLM's loader reads them here)
         },
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -262,7 +263,7 @@ def model_card(loaded: LoadedDrafter, *, evaluation: dict[str, Any] | None,
         f"{c.intermediate_size}, {c.num_attention_heads} query / {c.num_key_value_heads} key-value "
         f"heads of {c.head_dim}, RoPE theta {c.rope_theta:g}." + _attention_sentence(c),
         "",
-        *kind.card_lines(c),
+        *(kind.card_lines(c) + [""] if kind.card_lines(c) else []),  # the kind's paragraph, if any
         *kind.serving_lines(c, target),
         *(["", serving_note] if serving_note else []),
         "",

@@ -1,7 +1,7 @@
 """`dflash-train fit --init-from SOURCE`: start a run from an existing DFlash drafter's weights.
 
-SOURCE is a drafter folder in z-lab's layout (`config.json` with `architectures:
-["DFlashDraftModel"]` and `model.safetensors`, in any dtype: ours from `dflash-train export`,
+SOURCE is a drafter folder in z-lab's layout (`config.json` whose `architectures` names a
+kind, train/drafters/, and `model.safetensors`, in any dtype: ours from `dflash-train export`,
 or one z-lab published), a run folder of `dflash-train fit` (its newest complete checkpoint),
 or one of its `RUN/checkpoints/step-N` folders. Weights only: the optimizer, the learning-rate
 schedule and the data order start fresh.
@@ -12,9 +12,12 @@ The run takes from the source what its weights were trained with: the layer coun
 token of this target is refused), RMSNorm epsilon and RoPE theta, and its attention layout
 (`layer_types`, `sliding_window`, `is_causal`, each unless its flag overrides it; read as
 z-lab's reference and vLLM read them, loading.py's `attention_layout`: a `sliding_attention`
-layer without `is_causal` is causal). What a source uses that this drafter lacks (DFlash2's
-convolutions and candidate selector, attention sinks, scaled embeddings, values or logits,
-other layer types) is refused by name (loading.py's `drafter_config_from_hf`). The block size may differ
+layer without `is_causal` is causal). What a source uses that no drafter here implements
+(attention sinks, scaled embeddings, values or logits, other layer types) is refused by name
+(loading.py's `drafter_config_from_hf`). A kind's own tensors beyond the DFlash backbone
+(`DrafterKind.owns`) go to a drafter of a kind that has them, whose shapes the kind checks
+(`check_init`, naming the flag); a drafter without them starts its own fresh (a DFlash source
+under a kind with heads or convolutions: the backbone is the source's). The block size may differ
 (the weights do not depend on it). Every shape the weights imply must equal this run's, and
 `target_layer_ids` must be the cache's feature layers: each mismatch is a one-line refusal
 naming the field. A cache of another target than the source's is the point (adapting a
@@ -229,6 +232,7 @@ def check_compatible(source: DrafterConfig, config: DrafterConfig, *, where: str
     if source.num_hidden_layers != config.num_hidden_layers:
         raise ValueError(f"{where}: num_hidden_layers is {source.num_hidden_layers} in the source, "
                          f"{config.num_hidden_layers} for this run: pass --num-layers {source.num_hidden_layers}")
+    drafters.of_config(config).check_init(source, config, where)
     if source.target_layer_ids != config.target_layer_ids:
         raise ValueError(f"{where}: target_layer_ids is {source.target_layer_ids} in the source, the cache's feature "
                          f"layers are {config.target_layer_ids}: rebuild the cache with dflash-precompute "
@@ -266,10 +270,9 @@ def warm_start(drafter: DFlashDrafter, state: dict[str, torch.Tensor], source_co
     # A kind's heads (train/drafters/): a source without them warm-starts the drafter's
     # backbone, whose heads keep their fresh initial weights; a source's heads go to a drafter
     # that has them only, and one without drops them.
-    heads = drafters.head_prefixes()
     own = drafter.state_dict()
-    state = {name: t for name, t in state.items() if not name.startswith(heads) or name in own}
-    state.update({name: t for name, t in own.items() if name.startswith(heads) and name not in state})
+    state = {name: t for name, t in state.items() if not drafters.is_head(name) or name in own}
+    state.update({name: t for name, t in own.items() if drafters.is_head(name) and name not in state})
     if basis is not None:
         if basis.sha256() != c.feature_basis_sha256 or basis.rank != c.feature_width:
             raise ValueError(f"{where}: the basis is not the one the drafter reads (sha256 {c.feature_basis_sha256})")

@@ -26,9 +26,6 @@ from dflash.train.run_folder import CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, RUN_CO
 # The exported folder's files (export.py adds its model card, README.md).
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
-# DFlash2's config fields (vLLM's qwen3_dflash2.py, speculators' dflash2): its grouped local
-# convolutions and candidate selector, which this drafter does not have.
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -90,11 +87,14 @@ def drafter_config_from_hf(data: dict[str, Any], where: str) -> DrafterConfig:
     def pick(name: str, default: Any = None) -> Any:
         return dflash.get(name, data.get(name, default))
 
-    dflash2 = [f"dflash_config.{name}" for name in DFLASH2_FIELDS if pick(name) is not None]
-    if dflash2:
-        raise ValueError(f"{where}: the checkpoint sets {dflash2} (architectures {data.get('architectures')!r}): "
-                         "DFlash2's local convolutions and candidate selector are not implemented here")
     kind = drafters.of_hf(data, where)
+    for other in drafters.kinds():  # another kind's own fields: that kind's architecture is missing
+        foreign = [f"dflash_config.{name}" for name in other.dflash_config_keys
+                   if name not in kind.dflash_config_keys and pick(name) is not None]
+        if foreign:
+            raise ValueError(f"{where}: the checkpoint sets {foreign}, {other.title}'s fields, under architectures "
+                             f"{data.get('architectures')!r}: a {other.title} drafter's architectures is "
+                             f"[{other.architecture!r}] (this one loads as {kind.title}, without them)")
     kind.check_hf(data, where)  # the kind's block layout and heads
     unsupported = {
         "attention_bias": bool(data.get("attention_bias")),
@@ -229,6 +229,6 @@ def load_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor], where: 
     drafter.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
 
 
-__all__ = ["DFLASH2_FIELDS", "HF_CONFIG_FILE",
+__all__ = ["HF_CONFIG_FILE",
            "attention_layout", "HF_WEIGHTS_FILE", "LoadedDrafter", "drafter_config_from_hf",
            "is_exported", "load_drafter", "load_exported", "load_weights", "read_draft_vocab"]

@@ -380,18 +380,36 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, q_rope, c_rope, attend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, q_rope, c_rope, attend,
+                block_rows: int) -> torch.Tensor:
         """One layer of the training forward (a module call, so that FSDP2 gathers this
-        layer's parameters around it). hidden [Q, H] block rows, context [C, H] fused target
-        features; attend(q, k_ctx, v_ctx, k_blk, v_blk) -> [Q, h, hd] applies the block mask."""
+        layer's parameters around it). hidden [Q, H] block rows (block-major, `block_rows` per
+        block), context [C, H] fused target features; attend(q, k_ctx, v_ctx, k_blk, v_blk) ->
+        [Q, h, hd] applies the block mask."""
         attn = self.self_attn
-        x = self.input_layernorm(hidden)
+        x, state = self.attention_input(hidden, block_rows)
         q = attn.project_queries(x, q_rope)  # [Q, h, hd]
         k_blk, v_blk = attn.project_keys_values(x, q_rope)  # [Q, kvh, hd]
         k_ctx, v_ctx = attn.project_keys_values(context, c_rope)  # [C, kvh, hd]
         out = attend(q, k_ctx, v_ctx, k_blk, v_blk)
-        hidden = hidden + attn.o_proj(out.flatten(-2))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.attention_output(attn.o_proj(out.flatten(-2)), state, block_rows)
+        return hidden + self.feed_forward(hidden, block_rows)
+
+    # The sublayers' ends, shared by the training forward and `DFlashDrafter.forward_block`;
+    # a kind's layer (train/drafters/) mixes the block's rows here. `block_rows`: rows per
+    # block of the [..., rows, H] input (rows a multiple of it, block-major).
+
+    def attention_input(self, hidden: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, object]:
+        """(the attention's input rows, what `attention_output` needs of them): the input norm."""
+        return self.input_layernorm(hidden), None
+
+    def attention_output(self, out: torch.Tensor, state: object, block_rows: int) -> torch.Tensor:
+        """The attention's output after o_proj -> the residual update."""
+        return out
+
+    def feed_forward(self, hidden: torch.Tensor, block_rows: int) -> torch.Tensor:
+        """The MLP sublayer's residual update of `hidden`."""
+        return self.mlp(self.post_attention_layernorm(hidden))
 
 
 # ---------------------------------------------------------------------------------------
@@ -610,7 +628,7 @@ class DFlashDrafter(nn.Module):
         self.attention = attention
         self.max_dense_queries = max_dense_queries  # dense path: queries per SDPA call (memory bound)
         c = config
-        self.layers = nn.ModuleList([DrafterLayer(c) for _ in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(c) for _ in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(c.context_width, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -621,9 +639,18 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_ids", None if rows is None else torch.zeros(rows, dtype=torch.long))
         self.reset_parameters()
 
+    layer_class: ClassVar[type[DrafterLayer]] = DrafterLayer
+    """The decoder layer (a kind's drafter may use a subclass, train/drafters/)."""
+
     def reset_parameters(self) -> None:
-        """Normal(0, initializer_range) linear weights, unit norms (as Hugging Face inits Qwen3)."""
+        """Normal(0, initializer_range) linear weights, unit norms (as Hugging Face inits Qwen3).
+        A submodule with `initialises_itself` is left to its owner (a kind's drafter inits it
+        after the backbone, so the backbone's draws are DFlash's for one seed)."""
+        own = {id(m) for owner in self.modules() if getattr(owner, "initialises_itself", False)
+               for m in owner.modules()}
         for module in self.modules():
+            if id(module) in own:
+                continue
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             elif isinstance(module, RMSNorm):
@@ -656,7 +683,7 @@ class DFlashDrafter(nn.Module):
         attends = {kind: self._attend_fn(impl, layout, *kind) for kind in dict.fromkeys(kinds)}  # one mask per kind
         hidden = block_embeds
         for layer, kind in zip(self.layers, kinds, strict=True):
-            hidden = layer(hidden, context, q_rope, c_rope, attends[kind])
+            hidden = layer(hidden, context, q_rope, c_rope, attends[kind], layout.block_size)
         return self.norm(hidden)
 
     def _attend_fn(self, impl: str, layout: BlockLayout, window: int | None, causal: bool):
@@ -766,7 +793,7 @@ class DFlashDrafter(nn.Module):
             window, causal = self.config.layer_attention(i)
             # A window reaches back to position start - window + 1 at most (the block's first query).
             first = 0 if window is None else max(0, start - window + 1)
-            x = layer.input_layernorm(hidden)
+            x, state = layer.attention_input(hidden, x_in.shape[1])
             q = attn.project_queries(x, rope)  # [batch, B, h, hd]
             k_blk, v_blk = attn.project_keys_values(x, rope)
             k = torch.cat([cache.keys[i][:, first:], k_blk], dim=1) if cache.keys else k_blk
@@ -778,8 +805,9 @@ class DFlashDrafter(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                 enable_gqa=True)  # [batch, h, B, hd]
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.attention_output(attn.o_proj(out.transpose(1, 2).flatten(-2)), state,
+                                                     x_in.shape[1])
+            hidden = hidden + layer.feed_forward(hidden, x_in.shape[1])
         return self.norm(hidden)
 
 

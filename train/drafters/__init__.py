@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands
 from dflash.train.drafters.dflash import DFlashKind
+from dflash.train.drafters.dflash2 import DFlash2Kind
 from dflash.train.drafters.dspark import DSparkKind
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
@@ -52,6 +53,7 @@ def kinds() -> tuple[DrafterKind, ...]:
 
 DEFAULT = register(DFlashKind()).name
 register(DSparkKind())
+register(DFlash2Kind())
 
 
 def of_config(config: DrafterConfig) -> DrafterKind:
@@ -87,10 +89,11 @@ def of_hf(data: dict[str, Any], where: str) -> DrafterKind:
     return found[0]
 
 
-def head_prefixes() -> tuple[str, ...]:
-    """Every kind's head prefixes: what `--init-from` hands only to a drafter that has them."""
-    return tuple(prefix for kind in kinds() for prefix in kind.head_prefixes)
+def is_head(name: str) -> bool:
+    """Whether state-dict entry `name` is some kind's own tensor beyond the DFlash backbone
+    (`DrafterKind.owns`): what `--init-from` hands only to a drafter that has it."""
+    return any(kind.owns(name) for kind in kinds())
 
 
-__all__ = ["DEFAULT", "DrafterKind", "Drafts", "LossOperands", "config_from_dict", "get", "head_prefixes", "kinds",
+__all__ = ["DEFAULT", "DrafterKind", "Drafts", "LossOperands", "config_from_dict", "get", "is_head", "kinds",
            "make", "names", "of", "of_config", "of_hf", "register"]

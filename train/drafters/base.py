@@ -76,6 +76,9 @@ class DrafterKind:
     head_prefixes: ClassVar[tuple[str, ...]] = ()
     """State-dict prefixes of the kind's heads beyond the DFlash backbone: `--init-from` gives
     them only to a drafter that has them (the others keep their fresh weights)."""
+    dflash_config_keys: ClassVar[tuple[str, ...]] = ()
+    """The kind's own fields of an exported config.json's `dflash_config` (`dflash_config_fields`
+    writes them); a config.json of another kind that sets one is refused by name."""
     default_num_drafts: ClassVar[int] = 15
     """`fit --num-drafts auto`: a block of 16 drafter rows."""
     fsdp: ClassVar[bool] = True
@@ -93,6 +96,10 @@ class DrafterKind:
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DrafterConfig)}
         return self.config_class(**fields, **self.config_fields(options))
 
+    def check_fit(self, config: Any) -> None:
+        """ValueError when the run's fit config (train/config.py's FitConfig, this kind
+        selected) asks for something this kind cannot train."""
+
     def config_fields(self, options: Any) -> dict[str, Any]:
         """The kind's own drafter config fields, from the fit options."""
         return {}
@@ -105,6 +112,16 @@ class DrafterKind:
     def option_names(self) -> frozenset[str]:
         """The names of the kind's fit options."""
         return frozenset(f.name for f in dataclasses.fields(self.options)) if self.options else frozenset()
+
+    def check_init(self, source: DrafterConfig, config: DrafterConfig, where: str) -> None:
+        """ValueError (naming the field and the flag) when `--init-from` weights made for
+        `source` cannot load into this kind's drafter of `config` beyond the backbone's shapes."""
+
+    def owns(self, name: str) -> bool:
+        """Whether state-dict entry `name` is one of the kind's own tensors beyond the DFlash
+        backbone (by default: under `head_prefixes`); `--init-from` gives them only to a
+        drafter that has them."""
+        return name.startswith(self.head_prefixes)
 
     # -- the block --------------------------------------------------------------------------
 
@@ -156,6 +173,10 @@ class DrafterKind:
         return _drafts(logits, head, n, margins)
 
     # -- export and loading -----------------------------------------------------------------
+
+    def dflash_config_fields(self, config: DrafterConfig) -> dict[str, Any]:
+        """What the exported config.json's `dflash_config` holds beyond the DFlash fields."""
+        return {}
 
     def hf_fields(self, config: DrafterConfig) -> dict[str, Any]:
         """What the exported config.json holds beyond the DFlash fields and `architectures`

@@ -322,7 +322,7 @@ class DSparkKind(DrafterKind):
 
     def card_lines(self, config: DrafterConfig) -> list[str]:
         c = config
-        return ["", f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the "
+        return [f"DSpark (method `dspark`): this drafter adds a Markov head of rank {c.markov_rank} to the "
                 "DFlash backbone (`markov_head.markov_w1` [vocab, rank] embeds the previous token, "
                 "`markov_head.markov_w2` [draft vocab, rank] biases the draft logits), drafting left to right; its "
                 f"block is the anchor and {c.num_drafts - 1} masks, and every position predicts the next token: "
