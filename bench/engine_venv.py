@@ -29,6 +29,13 @@ def engine_venv_ready(venv: Path) -> bool:
     return (venv / ENGINE_READY).is_file()
 
 
+def vllm_model_file(name: str, path: str | Path | None = None) -> Path | None:
+    """vLLM's model file `name` (as "qwen3_dflash2.py") in the engine venv, to read as text;
+    None when the venv lacks it."""
+    found = sorted(engine_venv(path).glob(f"lib/python3*/site-packages/vllm/model_executor/models/{name}"))
+    return found[0] if found else None
+
+
 def ensure_engine_venv(path: str | Path | None = None) -> Path:
     """`engine_venv(path)`, built first by bench/engine_venv.sh (about 6 minutes, its output
     on the console) when it is not ready; CalledProcessError when the build fails."""

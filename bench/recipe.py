@@ -139,6 +139,19 @@ VARIANTS.update({
     "demo at block 4": {**DEMO_V3, "block_size": 4, "tokens_per_step": 512},
     "dspark block 4": {**DEMO_V3, **DSPARK, "block_size": 4, "tokens_per_step": 512},
 })
+# DFlash2 (issue 43, `--drafter dflash2`, train/drafters/dflash2.py) beside DFlash ("demo (2026-12-03)")
+# and DSpark ("dspark block 3") at the same budget of block tokens per step. Block 3 as theirs:
+# DFlash2's block is DFlash's (the anchor predicts nothing), so 2 drafts per verify against DSpark's 3.
+# It scores the whole vocabulary (vLLM's selector indexes its codebooks by token id), so it has no
+# draft vocabulary; "demo (whole vocabulary)" is DFlash under that same condition. Selector rank 64,
+# not z-lab's 256, for the reason DSpark's Markov head has 64: the codebooks are [49,152, r] each.
+DFLASH2 = {"drafter": "dflash2", "selector_rank": 64, "selector_top_k": 16, "conv_group_size": 16,
+           "draft_vocab": None}
+VARIANTS.update({
+    "dflash2 block 3": {**DEMO_V3, **DFLASH2},
+    "demo (whole vocabulary)": {**DEMO_V3, "draft_vocab": None},
+    "dflash2 block 4": {**DEMO_V3, **DFLASH2, "block_size": 4, "tokens_per_step": 512},  # DSpark's 3 drafts
+})
 # Sliding-window drafter layers against full attention at the same budget (`fit --layer-types`,
 # `--sliding-window`), on the demo's settings and its cache (--cache .demo/cache): read them
 # with --baseline "demo (full attention)". The demo's replies start at position 32 or later

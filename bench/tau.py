@@ -60,6 +60,8 @@ def _run_job(job: Job, work: str, target: str, prompts: str, online_prompts: int
     name = Path(job.cache).name + "".join(f"-{k}={v}" for k, v in sorted(job.overrides.items()))
     run = Path(work) / "runs" / f"{name}-s{job.seed}".replace("/", "_")
     flat = {**DEMO_FIT, **job.overrides}
+    if "block_size" in job.overrides:  # a row's rows per block (fit's old key): the kind's num_drafts, not 7
+        flat.pop("num_drafts")
     flat["checkpoint_every"] = flat["max_steps"]
     # "extra_cache": a second cache trained on too (same feature basis); every figure stays on
     # the job's own cache (its held-out sequences under the run's split, and its prompts).

@@ -4,7 +4,8 @@ vLLM's qwen3_dflash2 loader reads, and `--init-from` a DFlash drafter and a z-la
 folder. `fit --drafter dflash2` end to end is in tests/test_dflash2_fit.py."""
 
 import json
-from pathlib import Path
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from bench.engine_venv import vllm_model_file
 from dflash.testing.builders import drafter_config
 from dflash.train import drafters
 from dflash.train.drafters.dflash2 import (
@@ -202,21 +204,12 @@ def test_a_tensor_left_out_fails_the_check(left_out):
     assert shapes != vllm_tensors(config)
 
 
-def _vllm_dflash2() -> Path | None:
-    import os
-
-    venv = Path(os.environ.get("DFLASH_ENGINE_VENV", "/work/main/.venv-engine"))
-    found = sorted(venv.glob("lib/python3*/site-packages/vllm/model_executor/models/qwen3_dflash2.py"))
-    return found[0] if found else None
-
-
-@pytest.mark.skipif(_vllm_dflash2() is None, reason="vLLM's engine venv (qwen3_dflash2.py) is not installed")
+@pytest.mark.skipif(vllm_model_file("qwen3_dflash2.py") is None,
+                    reason="vLLM's engine venv (qwen3_dflash2.py) is not installed")
 def test_the_table_names_the_modules_of_the_installed_vllm():
     """The names in `vllm_tensors` are the attributes vLLM's qwen3_dflash2.py assigns and the
     dflash_config keys it reads (its source, read as text)."""
-    import re
-
-    source = _vllm_dflash2().read_text()
+    source = vllm_model_file("qwen3_dflash2.py").read_text()
     for attribute in ("attention_conv", "mlp_conv", "base_kernel", "kernel_projection", "candidate_selector",
                       "predecessor_codebook", "successor_codebook", "hidden_projection"):
         assert re.search(rf"self\.{attribute}\b[^=\n]*=", source), attribute
@@ -228,3 +221,55 @@ def test_the_table_names_the_modules_of_the_installed_vllm():
 def test_a_draft_vocabulary_is_refused():
     with pytest.raises(ValueError, match="scores the whole vocabulary .*drop --draft-vocab"):
         drafter_config("dflash2", **{**SHAPE, **DFLASH2}, draft_vocab_size=20)
+
+
+# -- against vLLM's own functions -----------------------------------------------------------
+
+VLLM_SIDE = """
+import sys
+import torch
+import vllm.model_executor.models.qwen3_dflash2 as q
+case = torch.load(sys.argv[1])
+n, B, _ = case["x"].shape
+conv = q._grouped_conv(case["x"].reshape(n * B, -1), case["delta"].reshape(n * B, *case["delta"].shape[2:]),
+                       case["base"], B, case["groups"], case["x"].shape[-1] // case["groups"], case["base"].shape[0])
+edges = q._score_edges(case["predecessor"], case["successor"], case["candidates"], case["unary"], case["hidden"],
+                       case["anchors"], case["candidates"].shape[-1])
+torch.save({"conv": conv.reshape(n, B, -1), "edges": edges}, sys.argv[2])
+"""
+
+
+@pytest.mark.engine
+@pytest.mark.e2e
+def test_the_convolution_and_the_scores_are_vllms(tmp_path, engine_venv):
+    """vLLM 0.32's `_grouped_conv` (its CPU path; the GPU's Triton kernel computes the same sum)
+    and `_score_edges` (the selector's scores for every predecessor candidate, which its walk
+    reads) on our tensors: the convolution equals ours, and the walk over vLLM's scores drafts
+    what `selector_drafts` drafts."""
+    model = make_dflash2()
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.normal_(std=3.0)
+    g = torch.Generator().manual_seed(8)
+    x, base, delta = torch.randn(3, 4, H, generator=g), torch.randn(2, H, generator=g), torch.randn(3, 4, 2, 4,
+                                                                                                    generator=g)
+    rows, anchors, target = torch.randn(5, 3, H, generator=g), torch.randint(0, V, (5,), generator=g), head()
+    with torch.no_grad():
+        top = (rows @ target.lm_head.T).topk(DFLASH2["selector_top_k"])
+        s = model.candidate_selector
+        case = {"x": x, "delta": delta, "base": base, "groups": 4, "predecessor": s.predecessor_codebook.detach(),
+                "successor": s.successor_codebook.detach(), "candidates": top.indices, "unary": top.values,
+                "hidden": s.hidden_projection(rows), "anchors": anchors}
+    torch.save(case, tmp_path / "case.pt")
+    (tmp_path / "vllm_side.py").write_text(VLLM_SIDE)
+    done = subprocess.run([str(engine_venv / "bin" / "python"), *(str(tmp_path / name) for name in (
+        "vllm_side.py", "case.pt", "out.pt"))], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out["conv"], grouped_causal_conv(x, delta, base))
+    edges = out["edges"]  # [n, D, K predecessors, K candidates]; step 0's predecessors are the anchor
+    previous, walked = torch.zeros(5, dtype=torch.long), []
+    for step in range(3):  # vLLM's walk at temperature 0 (its Triton kernel, spelled out)
+        index = edges[torch.arange(5), step, previous].argmax(-1)
+        walked.append(top.indices[torch.arange(5), step, index])
+        previous = index
+    assert torch.equal(torch.stack(walked, 1), selector_drafts(model, rows, anchors, target).tokens)

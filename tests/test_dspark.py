@@ -2,7 +2,6 @@
 fused loss against a dense reference, and the sequential drafting rule."""
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from bench.engine_venv import vllm_model_file
 from dflash.kernels.loss import sparse_kl_loss
 from dflash.testing.builders import drafter_config
 from dflash.train.drafters import make as make_drafter
@@ -88,9 +88,7 @@ def test_swapped_markov_matrices_fail_the_check_with_a_draft_vocabulary():
 
 
 def _vllm_source() -> Path | None:
-    venv = Path(os.environ.get("DFLASH_ENGINE_VENV", "/work/main/.venv-engine"))
-    found = sorted(venv.glob("lib/python3*/site-packages/vllm/model_executor/models/qwen3_dspark.py"))
-    return found[0] if found else None
+    return vllm_model_file("qwen3_dspark.py")
 
 
 @pytest.mark.skipif(_vllm_source() is None, reason="vLLM's engine venv (qwen3_dspark.py) is not installed")

@@ -275,6 +275,14 @@ def vllm_placeholders(target: str | None, speculative: dict[str, Any]) -> tuple[
     return (f"/path/to/{target}" if target else "/path/to/TARGET"), spec
 
 
+def vllm_serving(target: str, spec: str, intro: str, closing: str) -> list[str]:
+    """A model card's "Serving" section for a kind vLLM serves alone: `intro`, vLLM's server
+    command with the folder's --speculative-config `spec`, and `closing`."""
+    return ["## Serving", "", intro, "", "```bash",
+            f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
+            "```", "", closing]
+
+
 def greedy_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
     """Argmax of `hidden @ lm_head.T` per row, `rows_per_chunk` rows at a time.
 
@@ -301,4 +309,4 @@ def _drafts(logits: torch.Tensor, head: TargetHead, n: int, margins: bool) -> Dr
                   margins=(top.values[:, 0] - top.values[:, 1]).view(n, -1))
 
 
-__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "vllm_placeholders"]
+__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "vllm_placeholders", "vllm_serving"]

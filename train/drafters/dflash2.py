@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders
+from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders, vllm_serving
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterLayer, TargetHead
 
 # The config.json fields (under dflash_config) vLLM's loader, speculators and z-lab read.
@@ -432,24 +432,16 @@ class DFlash2Kind(DrafterKind):
         """vLLM's `dflash` method, which serves the DFlash2 architecture on its V2 model runner."""
         c = config
         target, spec = vllm_placeholders(target, self.speculative_config(c))
-        return [
-            "## Serving",
-            "",
+        return vllm_serving(
+            target, spec,
             f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dflash` speculative "
             f"method (vLLM 0.32 or later: its `DFlash2DraftModel` architecture); greedy output is the target's own. "
             f"{c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass `num_speculative_tokens` "
             f"{c.num_drafts}, which also sets the convolutions' block of {c.num_drafts + 1} rows as trained. It runs "
-            "on vLLM's V2 model runner only (`VLLM_USE_V2_MODEL_RUNNER=1`; on a CPU it needs Triton, which PyPI's "
-            "build lacks):",
-            "",
-            "```bash",
-            f"VLLM_USE_V2_MODEL_RUNNER=1 python -m vllm.entrypoints.openai.api_server --model {target} "
-            f"--speculative-config {spec}",
-            "```",
-            "",
+            "on vLLM's V2 model runner only, vLLM's default where Triton is installed, as on a GPU (on a CPU it needs "
+            "Triton, which PyPI's build lacks):",
             "Transformers: z-lab/dflash's `DFlash2DraftModel.from_pretrained(folder)` and its `dflash_generate` "
-            "loop. SGLang's DFlash loader does not load the convolutions or the selector.",
-        ]
+            "loop. SGLang's DFlash loader does not load the convolutions or the selector.")
 
 
 __all__ = ["CandidateSelector", "DFlash2Config", "DFlash2Drafter", "DFlash2Kind", "DFlash2Layer", "DFlash2Options",

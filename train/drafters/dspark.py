@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders
+from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders, vllm_serving
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 
@@ -333,20 +333,13 @@ class DSparkKind(DrafterKind):
         """vLLM's `dspark` method, which runs on its V2 model runner."""
         c = config
         target, spec = vllm_placeholders(target, self.speculative_config(c))
-        return [
-            "## Serving",
-            "",
+        return vllm_serving(
+            target, spec,
             f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dspark` "
             f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the drafts per "
             f"verify, {c.num_drafts} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, "
             "which on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
-            "",
-            "```bash",
-            f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
-            "```",
-            "",
-            "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.",
-        ]
+            "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.")
 
     def export_warning(self, folder_name: str) -> str | None:
         return None  # the exported config's architecture names the method
