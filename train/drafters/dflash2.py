@@ -249,10 +249,11 @@ class _CandidateLogits(torch.autograd.Function):
 
 def unary_top_k(rows: torch.Tensor, head: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
     """[N, k] ids of the k largest logits rows @ head.T, `chunk` rows at a time (no gradient)."""
+    out = torch.empty(rows.shape[0], k, dtype=torch.long, device=rows.device)
     with torch.no_grad():
-        return torch.cat([(rows[s:s + chunk].to(head.dtype) @ head.T).topk(k, dim=-1).indices
-                          for s in range(0, rows.shape[0], chunk)]) if rows.shape[0] else \
-            torch.zeros(0, k, dtype=torch.long, device=rows.device)
+        for s in range(0, rows.shape[0], chunk):
+            out[s:s + chunk] = (rows[s:s + chunk].to(head.dtype) @ head.T).topk(k, dim=-1).indices
+    return out
 
 
 def selector_candidates(top: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
