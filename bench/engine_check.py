@@ -17,13 +17,17 @@ dspark`, Markov rank 32, block 4: 4 drafts per step; the Llama cache; float32 ex
 method `dspark`, V2 runner only), and a DFlash drafter with mixed layers on the Llama target
 (`fit --layer-types sliding_attention,full_attention --sliding-window 8`: the sliding layer is
 causal inside the block by the layer rule; float32 export; V2 only, as vLLM 0.32 refuses mixed
-layers on V1). The Llama kind's DFlash export is also served on V2, which must agree with V1
-and with dflash step for step. `--families matrix`: one case per other target family
-of dflash.testing.families that vLLM's CPU build serves (TARGET_MATRIX: Qwen2, Qwen3-MoE,
-gpt-oss with its sliding and full layers, Phi-3, OLMo, OLMo-2, Granite, Mistral and its sliding
-v0.1), and one per family vLLM refuses (Gemma 2 and 3), which passes when vLLM refuses the
-drafter for the reason dflash.train.serving states. Each target is random, built from a
-config with vLLM-sized heads and spare embedding rows (the mask-token rule's pick).
+layers on V1), and a DFlash2 drafter on the Llama target (`fit --drafter dflash2`, convolution
+groups of 16 channels, selector rank 16 over the top 8; block 4; float32 export; vLLM method
+`dflash`, V2 only: its selector walk runs as plain torch in the engine process, since Triton's
+interpreter cannot run vLLM's kernel, bench/engine_vllm.py says why). The Llama kind's DFlash
+export is also served on V2, which must agree with V1 and with dflash step for step.
+`--families matrix`: one case per other target family of dflash.testing.families that vLLM's
+CPU build serves (TARGET_MATRIX: Qwen2, Qwen3-MoE, gpt-oss with its sliding and full layers,
+Phi-3, OLMo, OLMo-2, Granite, Mistral and its sliding v0.1), and one per family vLLM refuses
+(Gemma 2 and 3), which passes when vLLM refuses the drafter for the reason
+dflash.train.serving states. Each target is random, built from a config with vLLM-sized heads
+and spare embedding rows (the mask-token rule's pick).
 
 1. In this (the project's) venv: stage one with regeneration on a few chat records (the
    cache holds the target's own greedy replies), a brief `fit`, `export_run`, and dflash's
@@ -39,8 +43,10 @@ config with vLLM-sized heads and spare embedding rows (the mask-token rule's pic
    CPU needs a workaround: vLLM refuses V2 there ("Model Runner V2 requires Triton") because
    PyPI's triton has no cpu backend, so the V2 engine process sets TRITON_INTERPRET=1 and
    adds a `cpu` entry to `triton.backends` in its own memory before it imports vllm
-   (bench/engine_vllm.py `triton_interpreter`); no installed file changes, and a GPU needs
-   none of it. V1 cases run in one process, V2 ones in another.
+   (bench/engine_vllm.py `triton_interpreter`), and replaces DFlash2's selector walk kernel,
+   which the interpreter cannot run, by the same greedy walk in torch (`torch_selector_walk`);
+   no installed file changes, and a GPU needs none of it. V1 cases run in one process, V2
+   ones in another.
 3. The checks: rendering (vLLM's prompt ids == dflash's), lossless (vLLM speculative == vLLM
    greedy == dflash's greedy, every prompt) and acceptance (vLLM's per-step accepted counts
    == dflash's, every step), and the RoPE base vLLM resolved for the drafter == the trained
@@ -66,7 +72,9 @@ them; each must FAIL: the layer-id and mask cases by acceptance (vLLM stays loss
 rope_theta missing by the resolved base, an unfolded basis fc by vLLM refusing to load it; a
 DSpark folder's Markov head with markov_w1 and markov_w2 swapped (same shape over the whole
 vocabulary, so vLLM loads it) or left out (vLLM loads it anyway and drafts from uninitialised
-memory), and a sliding-window drafter's window widened past every sequence, by acceptance.
+memory), a sliding-window drafter's window widened past every sequence, and a DFlash2
+folder's selector codebooks swapped (predecessor for successor, same shape) or its
+convolutions' tensors left out (vLLM's loader does not notice), by acceptance.
 Exit status 1 when a good export fails or a broken one passes.
 """
 
@@ -161,6 +169,10 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
            fit_options={"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
                         "sliding_window": 8}, model_runners=("v2",),
            broken=("window-widened",)),
+    # conv_group_size divides the target's hidden size (64); the selector reranks a top 8 of 104
+    Family(name="llama-dflash2-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
+           fit_options={"drafter": "dflash2", "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
+           model_runners=("v2",), broken=("selector-codebooks-swapped", "convolutions-dropped")),
 ]}
 
 # The family matrix (dflash.testing.families): each other target family that vLLM's CPU build
@@ -418,6 +430,29 @@ def window_widened(folder: Path, **_) -> None:
     _edit_config(folder, lambda c: c.update(sliding_window=4096))
 
 
+def selector_codebooks_swapped(folder: Path, **_) -> None:
+    """A DFlash2 folder's candidate selector with predecessor_codebook and successor_codebook
+    [V, r] exchanged: their shapes agree, so vLLM loads the swap without a word."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    pre, suc = "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"
+    tensors[pre], tensors[suc] = tensors[suc], tensors[pre]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def convolutions_dropped(folder: Path, **_) -> None:
+    """A DFlash2 folder without its convolutions' tensors (what a DFlash-only exporter writes
+    of a DFlash2 drafter): vLLM 0.32's loader checks no tensor is present and convolves with
+    whatever its uninitialised base_kernel and kernel_projection hold."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(path)).items() if ".attention_conv." not in k and ".mlp_conv." not in k}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
@@ -428,6 +463,8 @@ BROKEN: dict[str, Callable[..., None]] = {
     "markov-w1-w2-swapped": markov_w1_w2_swapped,
     "markov-head-dropped": markov_head_dropped,
     "window-widened": window_widened,
+    "selector-codebooks-swapped": selector_codebooks_swapped,
+    "convolutions-dropped": convolutions_dropped,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 

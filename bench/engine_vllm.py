@@ -49,6 +49,22 @@ which runs every `@triton.jit` kernel in Python on CPU tensors, and a `cpu` entr
 `triton.backends.backends` in this process's memory, which is what vLLM's CPU build looks for
 (vllm/triton_utils/importing.py); then VLLM_USE_V2_MODEL_RUNNER=1. A workaround inside this
 process only: no installed file changes, and a GPU needs none of it.
+
+One V2 kernel the interpreter cannot run: DFlash2's selector walk (`_selector_walk_kernel`,
+called by `CandidateSampler.sample`, vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py)
+stops at its first load in the step loop with `InterpreterError: ValueError('mask has
+unsupported dtype')`. Its mask is `mask & valid`, `valid = req_state >= 0` a scalar
+comparison; Triton 3.9's interpreter gives a comparison's handle the operands' dtype (int32,
+`InterpreterBuilder.binary_op`) over bool data, so splatting `valid` to the block
+(`create_splat`) makes an int32 array, the `&` an int32 mask, which the interpreter's load
+refuses. The V2 process therefore also replaces `CandidateSampler.sample` by `selector_walk`
+(`torch_selector_walk`), the same walk at temperature 0 in plain torch: per request, step s
+takes the argmax over scores[request, s, previous, :] (previous: the index step s - 1 took),
+the draft is candidate_ids[request, s, index], and it writes the draft tokens and the scores
+it read as the kernel does (the probe that ran the kernel with the interpreter's splat mended
+gave the same tokens and scores, ties and inert rows included). Greedy drafting only
+(vLLM's default `draft_sample_method`); probabilistic drafts raise. In memory, this process
+only, as above.
 """
 
 from __future__ import annotations
@@ -77,6 +93,51 @@ def triton_interpreter() -> None:
             return False
 
     backends.setdefault("cpu", Backend(compiler=None, driver=InterpreterDriver))
+
+
+def torch_selector_walk() -> None:
+    """Replace vLLM's DFlash2 selector walk (`CandidateSampler.sample`, whose
+    `_selector_walk_kernel` Triton's interpreter cannot run: see the module docstring) by
+    `selector_walk`, in this process's memory; call after `triton_interpreter`."""
+    from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import CandidateSampler
+
+    CandidateSampler.sample = selector_walk
+
+
+def selector_walk(self, candidate_ids, scores, num_reqs: int, sample_pos, idx_mapping, temperature, seeds,
+                  draft_tokens, draft_logits, use_fp64: bool) -> None:
+    """`CandidateSampler.sample` at temperature 0 in plain torch: what `_selector_walk_kernel`
+    computes without sampling. Per request (row), step s takes the argmax (the first of ties,
+    as the kernel's `tl.max`) over scores[row, s, previous, :], previous the index step s - 1
+    took (0 at step 0, whose rows all score from the anchor); writes the candidate at that
+    index to draft_tokens[row, s] and the scores it read to `self.scores[row, s]`, for rows
+    whose request slot (idx_mapping[row * num_steps]) is >= 0, as the kernel does.
+
+    candidate_ids [num_reqs, num_steps, K] int64; scores [num_reqs, num_steps, K, K] float32
+    (previous index, candidate); idx_mapping [>= num_reqs * num_steps] int64; draft_tokens
+    [max_num_reqs, num_steps] int64 (written). sample_pos, temperature and seeds place a
+    sampled draw only, which this walk never makes."""
+    import torch
+
+    if draft_logits is not None:
+        raise NotImplementedError("bench/engine_vllm.py's selector walk covers greedy drafting only "
+                                  "(draft_sample_method 'greedy'); probabilistic DFlash2 drafts need "
+                                  "vLLM's Triton kernel on a GPU")
+    num_steps, top_k = self.num_steps, self.top_k
+    assert scores.shape == (num_reqs, num_steps, top_k, top_k), scores.shape
+    assert draft_tokens.is_contiguous()
+    rows = torch.arange(num_reqs, device=scores.device)
+    valid = idx_mapping[: num_reqs * num_steps: num_steps] >= 0  # [num_reqs]
+    tokens = draft_tokens.view(-1)  # the kernel's flat row * num_steps + step
+    previous = torch.zeros(num_reqs, dtype=torch.long, device=scores.device)
+    for step in range(num_steps):
+        row_scores = scores[rows, step, previous]  # [num_reqs, K]
+        index = row_scores.to(torch.float64 if use_fp64 else torch.float32).argmax(-1)  # [num_reqs]
+        realized = self.scores[:num_reqs, step]
+        realized.copy_(torch.where(valid[:, None], row_scores.to(realized.dtype), realized))
+        flat = rows * num_steps + step
+        tokens[flat] = torch.where(valid, candidate_ids[rows, step, index], tokens[flat])
+        previous = index
 
 
 def _output(out) -> dict:
@@ -203,6 +264,7 @@ def main(job_path: str, out_path: str) -> None:
     if job.get("model_runner", "v1") == "v2":
         triton_interpreter()
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        torch_selector_walk()
     results = []
     for case in job["cases"]:
         try:

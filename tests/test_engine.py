@@ -17,8 +17,12 @@ target (`fit --drafter dspark`, Markov rank 32, 4 drafts per step, float32 expor
 `dspark` method on its V2 runner), whose broken copies (markov_w1 and markov_w2 swapped, the
 Markov head left out) must fail by acceptance; a DFlash drafter with a sliding-window layer
 (window 8) and a full one on the Llama target, float32, V2 only (vLLM 0.32 refuses mixed
-layers on V1), whose copy with the window widened past every sequence must fail. The Llama
-kind's DFlash export is
+layers on V1), whose copy with the window widened past every sequence must fail; a DFlash2
+drafter on the Llama target (`fit --drafter dflash2`, convolution groups of 16, selector rank 16
+over the top 8, float32 export, vLLM's `dflash` method on its V2 runner, with its selector walk
+replaced by the same greedy walk in torch, as Triton's interpreter cannot run vLLM's kernel),
+whose broken copies (the selector's predecessor and successor codebooks swapped, the
+convolutions' tensors left out) must fail by acceptance. The Llama kind's DFlash export is
 served a second time on vLLM's V2 model runner (`-v2`), which runs on CPU through Triton's
 interpreter (bench/engine_vllm.py: a workaround in the engine process, never a change to
 installed files), and must agree step for step too. One engine per drafter folder and per
@@ -71,7 +75,7 @@ def test_each_kind_of_export_decodes_losslessly_with_dflashs_acceptance(engine_c
     good = engine_cases[name]
     assert good["failures"] == []
     # The drafter accepts drafts on most steps, so a broken export has steps to change.
-    assert good["dflash"]["acceptance_length"] > 1.2  # 1.3-1.8 here
+    assert good["dflash"]["acceptance_length"] > 1.2  # 1.3-1.8 here, 3.4 the DFlash2 kind
     if not good["near_ties"]:
         assert good["vllm"] == good["dflash"]  # pooled, per-prompt and per-position figures
 
