@@ -621,6 +621,9 @@ class DFlashDrafter(nn.Module):
     sparse loss kernel, which never materialises them).
     """
 
+    layer_class: ClassVar[type[DrafterLayer]] = DrafterLayer
+    """The decoder layer (a kind's drafter may use a subclass, train/drafters/)."""
+
     def __init__(self, config: DrafterConfig, *, attention: AttentionImpl = "auto",
                  max_dense_queries: int = 4096):
         super().__init__()
@@ -638,9 +641,6 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_head", None if rows is None else torch.zeros(rows, c.hidden_size))
         self.register_buffer("draft_ids", None if rows is None else torch.zeros(rows, dtype=torch.long))
         self.reset_parameters()
-
-    layer_class: ClassVar[type[DrafterLayer]] = DrafterLayer
-    """The decoder layer (a kind's drafter may use a subclass, train/drafters/)."""
 
     def reset_parameters(self) -> None:
         """Normal(0, initializer_range) linear weights, unit norms (as Hugging Face inits Qwen3).
