@@ -347,13 +347,24 @@ def _edit_config(folder: Path, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _edit_weight(folder: Path, name: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Rewrite the folder's model.safetensors as `edit` returns its tensors."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    tensors[name] = edit(tensors[name]).contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file(edit(load_file(str(path))), str(path), metadata={"format": "pt"})
+
+
+def _edit_weight(folder: Path, name: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    _edit_weights(folder, lambda tensors: {**tensors, name: edit(tensors[name]).contiguous()})
+
+
+def _swap_weights(folder: Path, a: str, b: str) -> None:
+    _edit_weights(folder, lambda tensors: {**tensors, a: tensors[b], b: tensors[a]})
+
+
+def _drop_weights(folder: Path, dropped: Callable[[str], bool]) -> None:
+    _edit_weights(folder, lambda tensors: {k: v for k, v in tensors.items() if not dropped(k)})
 
 
 def ids_off_by_one(folder: Path, **_) -> None:
@@ -404,24 +415,14 @@ def d2t_zeroed(folder: Path, **_) -> None:
 def markov_w1_w2_swapped(folder: Path, **_) -> None:
     """A DSpark folder's markov_w1 [V, r] and markov_w2 [V, r] exchanged: over the whole
     vocabulary their shapes agree, so vLLM loads the swap without a word."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    w1, w2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
-    tensors[w1], tensors[w2] = tensors[w2], tensors[w1]
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    _swap_weights(folder, "markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
 
 def markov_head_dropped(folder: Path, **_) -> None:
     """A DSpark folder without its Markov head (what a DFlash-only exporter writes): vLLM 0.32
     checks no tensor is present and drafts with whatever its uninitialised markov_w1/w2 hold
     in place of the trained bias."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = {k: v for k, v in load_file(str(path)).items() if not k.startswith("markov_head.")}
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    _drop_weights(folder, lambda name: name.startswith("markov_head."))
 
 
 def window_widened(folder: Path, **_) -> None:
@@ -433,24 +434,14 @@ def window_widened(folder: Path, **_) -> None:
 def selector_codebooks_swapped(folder: Path, **_) -> None:
     """A DFlash2 folder's candidate selector with predecessor_codebook and successor_codebook
     [V, r] exchanged: their shapes agree, so vLLM loads the swap without a word."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    pre, suc = "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"
-    tensors[pre], tensors[suc] = tensors[suc], tensors[pre]
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    _swap_weights(folder, "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def convolutions_dropped(folder: Path, **_) -> None:
     """A DFlash2 folder without its convolutions' tensors (what a DFlash-only exporter writes
     of a DFlash2 drafter): vLLM 0.32's loader checks no tensor is present and convolves with
     whatever its uninitialised base_kernel and kernel_projection hold."""
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = {k: v for k, v in load_file(str(path)).items() if ".attention_conv." not in k and ".mlp_conv." not in k}
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    _drop_weights(folder, lambda name: ".attention_conv." in name or ".mlp_conv." in name)
 
 
 BROKEN: dict[str, Callable[..., None]] = {
