@@ -593,7 +593,7 @@ def _loss(rows: torch.Tensor, head: TargetHead, batch, config: LossConfig, model
     operands = kind.loss_operands(model, rows, head, batch)
     teacher = _teacher(batch, operands.head)
     loss, argmax = _distill(operands, teacher, config)
-    extra = kind.extra_loss(model, operands, rows, teacher.ids, teacher.logprobs, teacher.weights)
+    extra = kind.extra_loss(model, operands, rows, teacher.ids, teacher.logprobs, teacher.top1, teacher.weights)
     return (loss if extra is None else loss + extra), argmax
 
 

@@ -151,8 +151,11 @@ class DrafterKind:
         return LossOperands(rows=rows, head=head)
 
     def extra_loss(self, model: DFlashDrafter, operands: LossOperands, backbone_rows: torch.Tensor,
-                   ids: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        """A summed weighted loss of the kind's own heads, added to the distillation loss; None: none."""
+                   ids: torch.Tensor, logprobs: torch.Tensor, top1: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor | None:
+        """A summed weighted loss of the kind's own heads, added to the distillation loss; None: none.
+        ids, logprobs [N, k]: the teacher's top-k in the operands' head rows; top1 [N] its greedy
+        token; weights [N] the rows' weights."""
         return None
 
     # -- drafting ---------------------------------------------------------------------------

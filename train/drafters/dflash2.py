@@ -380,10 +380,10 @@ class DFlash2Kind(DrafterKind):
         return LossOperands(rows=rows, head=head, extra=batch.label_tokens)
 
     def extra_loss(self, model: DFlashDrafter, operands: LossOperands, backbone_rows: torch.Tensor,
-                   ids: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        target = ids.gather(1, logprobs.argmax(1, keepdim=True))[:, 0].long()  # the target's top-1
+                   ids: torch.Tensor, logprobs: torch.Tensor, top1: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor | None:
         return SELECTOR_LOSS_ALPHA * selector_loss(model, backbone_rows, operands.head.lm_head, operands.extra,
-                                                   target, weights)
+                                                   top1.long(), weights)
 
     def draft(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead, *,
               linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024) -> Drafts:

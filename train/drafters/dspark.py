@@ -276,7 +276,8 @@ class DSparkKind(DrafterKind):
                             frozen_columns=frozen_columns, extra=embed)
 
     def extra_loss(self, model: DFlashDrafter, operands: LossOperands, backbone_rows: torch.Tensor,
-                   ids: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+                   ids: torch.Tensor, logprobs: torch.Tensor, top1: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor | None:
         if model.confidence_head is None:
             return None
         return confidence_loss(model, backbone_rows, operands.extra, operands.rows, operands.head.lm_head,
