@@ -12,12 +12,15 @@ trained drafter offline and online (real speculative decoding against the target
 prompts, the finished cache, the finished run.
 
 The sizes are chosen for 2 CPU cores and a first run under 10 minutes, not for quality: one
-drafter layer, a Markov head of rank 64, 3 drafts per verify, 384 one-exchange conversations whose
-replies the target regenerates greedily, 900 steps, and a draft vocabulary of the 4,096 most
+drafter layer, a Markov head of rank 64, 3 drafts per verify, 768 one-exchange conversations whose
+replies the target regenerates greedily, 1,200 steps, and a draft vocabulary of the 4,096 most
 frequent reply tokens (scoring the whole 49,152-row head was most of a training step and of a
-draft). Twice the conversations and 1,200 steps (`--num-conversations 768 --max-steps 1200`)
-score about 2.5% higher offline and 10% online over 3 seeds, in 4 more minutes (bench/RESULTS.md
-"recipe", 2026-12-05). The rest is the best measured within the demo's time (bench/RESULTS.md
+draft). Stage one runs the target in bfloat16 where the device computes it natively (a GPU, or
+a CPU with AVX512-BF16 or AMX: `--stage-one-dtype`), which is what keeps 768 conversations
+inside the 10 minutes on such a CPU; training and the online check stay float32. Half the
+conversations and 900 steps (`--num-conversations 384 --max-steps 900`) take about 3 minutes
+less where stage one runs in float32, for about 10% less online tau (bench/RESULTS.md "recipe",
+2026-12-05). The rest is the best measured within the demo's time (bench/RESULTS.md
 "recipe" has every change tried, with 3 seeds; DSpark beat DFlash there on tau offline and
 online, on every seed, at the same budget). `--drafter dflash` trains the plain DFlash drafter instead.
 """
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import click
+import torch
 
 from bench.engine_venv import ensure_engine_venv
 from demo import default_work_dir
@@ -50,7 +54,7 @@ class DemoConfig:
     work_dir: Path = field(default_factory=default_work_dir, metadata={PATH: "dir"})
     """Where the target, prompts, cache and run live; DFLASH_DEMO_DIR sets the default (else .demo in
     the repository)."""
-    num_conversations: int = 384
+    num_conversations: int = 768
     """chitchat conversations cached (the first exchange of each; the target regenerates the
     replies)."""
     human_conversations: int = 0
@@ -63,6 +67,12 @@ class DemoConfig:
     """Longest regenerated reply, and tokens decoded per prompt online."""
     max_length: int = 256
     """Longest cached sequence, in tokens."""
+    stage_one_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """`dflash-precompute --dtype`, the target's precision while it regenerates the replies and
+    writes their features: auto picks bfloat16 on a GPU (as `dflash-precompute` does) and on a
+    CPU that computes it natively (AVX512-BF16 or AMX: on the 2-core EPYC stage one runs 1.6x
+    faster, bench/RESULTS.md "demo"), float32 on other CPUs. Training and evaluation stay
+    float32 whichever it is (--device)."""
     feature_codec: FeatureCodec = "basis-fp8"
     """How the cache stores features (dflash-precompute --feature-codec)."""
     feature_rank: int = 0
@@ -86,7 +96,7 @@ class DemoConfig:
     """Blocks drawn per sequence per epoch."""
     tokens_per_step: int = 510
     """Block tokens per optimizer step (170 blocks of 3)."""
-    max_steps: int = 900
+    max_steps: int = 1200
     """Training steps."""
     lr: float = 1e-3
     """Peak learning rate (higher than fit's 6e-4: the demo trains only briefly)."""
@@ -106,8 +116,9 @@ class DemoConfig:
     default, to keep the first run short."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where every command runs: auto (the GPU when torch sees one, else the CPU), cpu or cuda.
-    The target and drafter stay in float32 everywhere (`fit --dtype float32`, `eval --dtype
-    float32`), so the lossless check compares greedy ids nearly to the last bit on either."""
+    The drafter trains and the target decodes online in float32 (`fit --dtype float32`, `eval
+    --dtype float32`), so the lossless check compares greedy ids nearly to the last bit on
+    either; stage one's precision is --stage-one-dtype."""
     server: bool = field(default=False, metadata={ONLY_ON: True})
     """Regenerate the replies through a local `transformers serve` and dflash-regenerate
     instead of in-process `dflash-precompute --regenerate`."""
@@ -178,8 +189,22 @@ def precompute_command(config: DemoConfig, *, target: Path, data: Path, out: Pat
         "--max-length", str(config.max_length), "--feature-codec", config.feature_codec,
         *(["--feature-rank", str(config.feature_rank)] if config.feature_rank and basis is None else []),
         *(["--feature-basis", str(basis)] if basis is not None else []),
-        "--device", config.device, "--json",
+        "--device", config.device, "--dtype", stage_one_dtype(config), "--json",
     ]
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX tiles); without
+    either torch emulates them, slower than float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def stage_one_dtype(config: DemoConfig) -> str:
+    """`stage_one_dtype`, with auto resolved for the device stage one runs on."""
+    if config.stage_one_dtype != "auto":
+        return config.stage_one_dtype
+    gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if gpu or native_bfloat16() else "float32"
 
 
 BLOCK_ROWS = 3  # drafter rows per block of the demo's drafter, whichever the kind (`num_drafts` auto)
@@ -320,7 +345,8 @@ def run_demo(config: DemoConfig) -> None:
           f"tok/s plain greedy ({speedup:.2f}x)")
     if unseen is not None:
         print(format_line(unseen))
-    print(f"  device       {online['device']} ({online['dtype']}; --device {config.device})")
+    print(f"  device       {online['device']} (stage one {stage_one_dtype(config)}, training and evaluation "
+          f"{online['dtype']}; --device {config.device})")
     print(f"  wall time    {time.monotonic() - started:,.0f} s ("
           + ", ".join(f"{name} {value:,.0f}" for name, value in seconds.items()) + ")")
     if not online["lossless"] or after["acceptance_length"] <= before["acceptance_length"]:

@@ -81,6 +81,32 @@ def test_every_command_takes_the_demo_device_and_stays_float32(monkeypatch, tmp_
     assert _flag(fit, "--drafter") == config.drafter and _flag(fit, "--num-drafts") == "3"  # dspark's block of 3 rows
 
 
+@pytest.mark.parametrize("args, gpu, native, dtype", [
+    ([], False, True, "bfloat16"),  # a CPU with AVX512-BF16 or AMX
+    ([], False, False, "float32"),  # a CPU that would emulate bfloat16
+    ([], True, False, "bfloat16"),  # the GPU that --device auto picks
+    (["--device", "cpu"], True, False, "float32"),  # a GPU the flag leaves aside
+    (["--device", "cuda"], False, False, "bfloat16"),
+    (["--stage-one-dtype", "float32"], True, True, "float32"),  # the flag wins
+    (["--stage-one-dtype", "bfloat16", "--device", "cpu"], False, False, "bfloat16"),
+])
+def test_stage_one_runs_in_bfloat16_where_the_device_computes_it(monkeypatch, tmp_path, args, gpu, native, dtype):
+    """Both caches come from the target at one precision (the second is encoded in the first's
+    basis); training and the online check stay float32 whatever stage one used."""
+    monkeypatch.setattr(demo.run.torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(demo.run, "native_bfloat16", lambda: native)
+    config = _config(monkeypatch, [*args, "--work-dir", str(tmp_path)])
+    target, data, cache = tmp_path / "target", tmp_path / "data.jsonl", tmp_path / "cache"
+    commands = [demo.run.precompute_command(config, target=target, data=data, out=cache, regenerate=True),
+                demo.run.precompute_command(config, target=target, data=data, out=tmp_path / "h", regenerate=False,
+                                            basis=cache)]
+    assert [_flag(c, "--dtype") for c in commands] == [dtype, dtype]
+    fit = demo.run.fit_command(config, caches=[cache], run_dir=tmp_path / "run")
+    online = demo.run.eval_command(config, run_dir=tmp_path / "run", cache=cache, checkpoint=tmp_path / "s",
+                                   online=(target, data))
+    assert (_flag(fit, "--dtype"), _flag(online, "--dtype")) == ("float32", "float32")
+
+
 def test_the_demo_refuses_an_unknown_device(monkeypatch):
     result = CliRunner().invoke(demo.run.main, ["--device", "tpu"])
     assert result.exit_code != 0 and "tpu" in result.output

@@ -119,7 +119,7 @@ def regenerated_cache(target, tokenizer, prompts_path: Path, cache_dir: Path, ma
     V, H = target.config.vocab_size, target.config.hidden_size
     spec = CacheSpec(vocab_size=V, hidden_size=H, layer_ids=LAYER_IDS, top_k=8, topk_codec="raw",
                      max_length=256, regenerated=True, generation_temperature=0.0,
-                     target={"name": "tiny-chat", "model_type": "qwen3", "num_layers": 6})
+                     target={"name": "tiny-chat", "model_type": "qwen3", "num_layers": 6, "dtype": "float32"})
     prompts, _ = load_prompts(prompts_path, ChatRenderer(tokenizer))
     writer = CacheWriter(cache_dir, spec, rank=0, world_size=1)
     for prompt in prompts:
@@ -193,6 +193,8 @@ def test_online_eval_is_lossless_beside_offline(chat_setup):
     assert figures["num_replay_verifications"] == online["num_verifications"]
     assert figures["replay_acceptance_length"] == pytest.approx(online["acceptance_length"], abs=1e-12)
     assert "online   tau" in result.output and "lossless yes" in result.output
+    assert figures["generation_dtype"] == "float32"  # the precision online decoding used: the replay is its tau
+    assert "(= online greedy tau (replies regenerated greedily in float32))" in result.output
 
 
 @pytest.mark.parametrize("temperature", ["0", "1"])

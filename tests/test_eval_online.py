@@ -464,3 +464,30 @@ def test_the_report_names_near_ties_and_real_mismatches(near_tie, lossless_line,
                               "tie_bound": 0.25, "near_tie": near_tie}]}
     report = format_report({"checkpoint": "run/checkpoints/step-1", "online": online})
     assert lossless_line in report and mismatch_line in report
+
+
+@pytest.mark.parametrize("regenerated, made, online, label", [
+    (True, "float32", "float32", "(= online greedy tau (replies regenerated greedily in float32))"),
+    (True, "bfloat16", None, "(= online greedy tau (replies regenerated greedily in bfloat16))"),  # offline only
+    (True, None, "float32", "(= online greedy tau (replies regenerated greedily))"),  # an engine's replies
+    (True, "bfloat16", "float32",
+     "(near online greedy tau: replies regenerated greedily in bfloat16, decoded online in float32)"),
+    (False, None, "float32", "(proxy: replies not the target's greedy output)"),
+])
+def test_the_replay_says_when_it_is_the_online_tau(regenerated, made, online, label):
+    """The replay equals online greedy tau only when the cached replies are the target's greedy
+    output at the precision online decoding uses (a bf16 stage one, a float32 online check:
+    near-ties go the other way)."""
+    from dflash.train.evaluate import format_report
+
+    result = {"checkpoint": "run/checkpoints/step-1", "acceptance_length": 2.0, "num_anchors": 9,
+              "num_sequences": 2, "num_drafts": 3, "verify_size": 4, "replay_acceptance_length": 1.5,
+              "num_replay_verifications": 4, "per_position_acceptance": [0.5, 0.25, 0.0],
+              "per_position_match": [0.5, 0.5, 0.25], "regenerated": regenerated,
+              "generation_temperature": 0.0 if regenerated else None, "generation_dtype": made}
+    if online is not None:
+        result["online"] = {"acceptance_length": 2.0, "num_verifications": 10, "num_prompts": 1,
+                            "tokens_per_s": 10.0, "baseline_tokens_per_s": 5.0, "speedup": 2.0, "device": "cpu",
+                            "dtype": online, "temperature": 0.0, "seed": None, "rejected": [], "lossless": True,
+                            "num_near_ties": 0, "num_real_mismatches": 0, "mismatches": []}
+    assert f"replayed decoding tau 1.500 over 4 verifications {label}" in format_report(result)

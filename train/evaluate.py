@@ -318,6 +318,9 @@ def _offline(drafter: DFlashDrafter, selection: list, *, verify_size: int, devic
     figures["caches"] = [{"path": str(cache.path), "num_sequences": len(indices)} for cache, indices in selection]
     figures["regenerated"] = all(cache.spec.replies[0] for cache, _ in selection)
     figures["generation_temperature"] = selection[0][0].spec.replies[1]
+    # the precision the target regenerated in, when stage one did it (an engine's is unknown)
+    first = selection[0][0].spec
+    figures["generation_dtype"] = first.target.get("dtype") if first.regenerated and len(selection) == 1 else None
     return figures
 
 
@@ -400,9 +403,13 @@ def format_report(result: dict[str, Any]) -> str:
             f"{result['num_sequences']} sequences ({result['num_drafts']} drafts per verify of "
             f"{result['verify_size']})")
         if result.get("replay_acceptance_length") is not None:
-            kind = ("= online greedy tau (replies regenerated greedily)"
-                    if result.get("regenerated") and result.get("generation_temperature") == 0
-                    else "proxy: replies not the target's greedy output")
+            made, online = result.get("generation_dtype"), (result.get("online") or {}).get("dtype")
+            if not (result.get("regenerated") and result.get("generation_temperature") == 0):
+                kind = "proxy: replies not the target's greedy output"
+            elif made and online and made != online:  # near-ties of one precision go the other way in the other
+                kind = f"near online greedy tau: replies regenerated greedily in {made}, decoded online in {online}"
+            else:
+                kind = "= online greedy tau (replies regenerated greedily" + (f" in {made})" if made else ")")
             lines.append(f"         replayed decoding tau {result['replay_acceptance_length']:.3f} over "
                          f"{result['num_replay_verifications']} verifications ({kind})")
         width = len(result["per_position_acceptance"])
