@@ -135,6 +135,9 @@ VARIANTS.update({
     # the first run under 10 minutes (issue 44): on a cache of half the conversations
     # (`python -m demo.run --num-conversations 384`), three quarters of the steps
     "dspark block 3 (900 steps)": {**DEMO_V3, **DSPARK, "max_steps": 900},
+    # the same at 1,200 steps with the drafter's compute in bfloat16 (autocast; float32 weights
+    # and optimizer state), on a CPU with native bfloat16 products: is the demo's fit cheaper at its tau?
+    "dspark block 3 (bf16 fit)": {**DEMO_V3, **DSPARK, "dtype": "bfloat16"},
     # block 4 or more, where the Markov head has more positions to help: 128 blocks of 4
     "demo at block 4": {**DEMO_V3, "block_size": 4, "tokens_per_step": 512},
     "dspark block 4": {**DEMO_V3, **DSPARK, "block_size": 4, "tokens_per_step": 512},

@@ -70,9 +70,9 @@ class DemoConfig:
     stage_one_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """`dflash-precompute --dtype`, the target's precision while it regenerates the replies and
     writes their features: auto picks bfloat16 on a GPU (as `dflash-precompute` does) and on a
-    CPU that computes it natively (AVX512-BF16 or AMX: on the 2-core EPYC stage one runs 1.6x
-    faster, bench/RESULTS.md "demo"), float32 on other CPUs. Training and evaluation stay
-    float32 whichever it is (--device)."""
+    CPU that computes it natively (AVX512-BF16 or AMX, where stage one runs faster than in
+    float32), float32 on other CPUs (which would emulate it). Training and evaluation stay
+    float32 whichever it is."""
     feature_codec: FeatureCodec = "basis-fp8"
     """How the cache stores features (dflash-precompute --feature-codec)."""
     feature_rank: int = 0
