@@ -103,8 +103,12 @@ from dflash.train.serving import VLLM_CPU_CANNOT, VLLM_REFUSES
 REPO = Path(__file__).resolve().parents[1]
 
 # Drafter top-1 minus top-2 logit below which vLLM's kernels may pick the other draft (seen:
-# 0.003 at one step of 75); a first difference at such a step ends that prompt's comparison.
-DRAFT_NEAR_TIE = 0.01
+# 0.003 at one step of 75; then, batched, 0.0198 and 0.0162, each the smallest margin of its
+# prompt, on the Llama bf16 and Qwen3 draft-vocabulary drafters once fit's AdamW was fused,
+# which moves the trained weights by float rounding and leaves export and serving as they
+# were: tokens lossless, the Llama pooled tau equal); a first difference at such a step ends
+# that prompt's comparison.
+DRAFT_NEAR_TIE = 0.05
 
 USERS = ["Hello there!", "Tell me a short story.", "What is the capital of France?", "Numbers please.",
          "How is the weather?", "Tell me about the fox.", "Who are you?", "Count to ten.",

@@ -517,8 +517,8 @@ def _resume(resume_from: Path | None, model: DFlashDrafter, gate: SpikeGate, con
     opt = config.optimizer
     # fused: one pass over each tensor per step instead of a dozen (torch's default on a CPU is
     # a loop of separate element-wise ops): on the demo's fit a step's optimizer time fell from
-    # ~30 ms to a few (bench/RESULTS.md "train_step", 2026-12-05 22:37), most of it DSpark's
-    # markov_w1, a row per vocabulary token. The same update to within float rounding.
+    # ~30 ms to a few (bench/RESULTS.md "train_step", 2026-12-05 22:37), most of it over a
+    # head's table with a row per vocabulary token. The same update to within float rounding.
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
                                   betas=(opt.adam_beta1, opt.adam_beta2), fused=True)
     if optimizer_state is not None:
