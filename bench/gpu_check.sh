@@ -33,6 +33,10 @@
 #      echo /.whl/ >> .git/info/exclude
 #      python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #          liger-kernel==0.8.5 cut-cross-entropy==25.1.1      # pure Python, ~1 MB
+#    and the rows' fast crc32 (a dependency of dflash; without it the reads use zlib's, 2-4
+#    GB/s of one core instead of ~27, and the first line below says "crc32 zlib"):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#          --implementation cp --platform manylinux_2_28_x86_64 -d .whl isal==1.9.1   # 0.3 MB
 # 2. makes this checkout's dflash.* importable (installed, or through a namespace shim).
 # Exit status: 0 every section ran and no correctness check failed (a missed speed or memory
 # goal is reported, not fatal), 1 a section failed, 2 no usable python/GPU.
@@ -82,12 +86,13 @@ fi
 "$PY" - "$REPO" <<'PYEOF' || exit 2
 import os, sys, torch, triton
 import dflash.kernels.loss
+from dflash.shards.rows import CRC32_IMPL
 where = os.path.realpath(os.path.dirname(dflash.kernels.loss.__file__))
 if where != os.path.realpath(os.path.join(sys.argv[1], "kernels")):
     sys.exit(f"gpu_check: FAIL: dflash.kernels imports from {where}, not this checkout; "
              "uninstall that copy or run from it")
 print(f"gpu_check: python {sys.executable}, torch {torch.__version__}, triton {triton.__version__}, "
-      f"{torch.cuda.get_device_name()}, dflash from {os.path.dirname(where)}", flush=True)
+      f"{torch.cuda.get_device_name()}, rows' crc32 {CRC32_IMPL}, dflash from {os.path.dirname(where)}", flush=True)
 PYEOF
 
 LOGS="$(mktemp -d)"

@@ -259,8 +259,10 @@ def main() -> int:
     train_step.PEAK_TFLOPS = args.peak_tflops
     started = time.perf_counter()
     sections = QUICK if args.quick else SECTIONS
+    from dflash.shards.rows import CRC32_IMPL
+
     results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                     "quick": args.quick, "budget_s": args.budget_s}
+                     "quick": args.quick, "budget_s": args.budget_s, "crc32": CRC32_IMPL}
     failures = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)

@@ -4,7 +4,8 @@ Every per-token column is a `large_list` of a fixed-width primitive, flat in row
 order, so a row's values are one contiguous, aligned slice of the memory-mapped file that
 numpy views without a copy. One row per record batch makes a random row read one footer
 lookup. A crc32 of the row's value bytes travels in the row, so a reader catches flipped
-bytes in exactly what it reads, at about 7 GB/s.
+bytes in exactly what it reads: ISA-L's crc32 (the `isal` package) checks about 27 GB a
+second of one core, zlib's, the fallback where isal is missing, 2 to 4 (`row_checksum`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import hashlib
 import json
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -143,10 +143,29 @@ def shard_rows_sha256_of(reader: pa.ipc.RecordBatchFileReader, spec: CacheSpec, 
     return shard_rows_sha256(spec, path, files, indices, lengths, checksums)
 
 
+def _crc32_function():
+    """(crc32, its name): ISA-L's when the `isal` package imports (a dependency: carry-less
+    multiplication, ~27 GB per CPU-second on a 2-core EPYC where zlib 1.2.13 does 2-4; the
+    first read of a row in training is mostly this), zlib's otherwise (a machine where dflash
+    runs uninstalled, such as the GPU check's). Both compute the same CRC-32 (the zlib / IEEE
+    802.3 polynomial, start value 0, chaining through the second argument): the shard format
+    does not depend on which."""
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        from zlib import crc32
+        return crc32, "zlib"
+    return crc32, "isal"
+
+
+crc32, CRC32_IMPL = _crc32_function()
+
+
 def row_checksum(values: list[np.ndarray]) -> int:
+    """The row's crc32: over each list column's value bytes, in schema order, chained."""
     crc = 0
     for array in values:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
+        crc = crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
     return crc
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -590,6 +591,50 @@ def test_flipped_byte_is_caught(tmp_path, where):
         except ValueError as error:
             errors.append(str(error))
     assert errors and all("rank00000-00000.arrow" in e for e in errors)
+
+
+def _stored_and_reference_checksums(cache_dir, spec) -> list[tuple[int, int]]:
+    """(stored checksum, zlib.crc32 of the row's list values in schema order) per row."""
+    from dflash.shards.rows import list_columns, list_values
+
+    pairs = []
+    for shard in sorted((cache_dir / "shards").glob("*.arrow")):
+        with pa.memory_map(str(shard)) as source:
+            reader = pa.ipc.open_file(source)
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                data = b"".join(list_values(batch.column(name)).tobytes() for name, _ in list_columns(spec))
+                pairs.append((batch.column("checksum")[0].as_py(), zlib.crc32(data)))
+    return pairs
+
+
+@pytest.mark.parametrize("feature_codec", ["bf16", "fp8"])
+def test_row_checksum_is_zlibs_crc32_with_isal_or_without(tmp_path, monkeypatch, feature_codec):
+    """isal (a dependency) computes the rows' crc32; zlib is the fallback where it is missing.
+    Both must store zlib.crc32 of the concatenated list values (FORMAT.md), so a cache written
+    with either reads, checked, with the other."""
+    from dflash.shards import rows as rows_module
+
+    assert rows_module.CRC32_IMPL == "isal"  # the dependency is installed and in use
+    isal_crc = rows_module.crc32
+    for name in ("isal", "isal.isal_zlib"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails, as on a machine without it
+    zlib_crc, impl = rows_module._crc32_function()
+    assert impl == "zlib" and zlib_crc is zlib.crc32
+    spec = make_spec(feature_codec=feature_codec, shard_max_rows=4)
+    data = make_rows(spec)
+    stored = {}
+    for impl, crc in (("isal", isal_crc), ("zlib", zlib_crc)):
+        monkeypatch.setattr(rows_module, "crc32", crc)
+        write(tmp_path / impl, spec, data)
+        stored[impl] = _stored_and_reference_checksums(tmp_path / impl, spec)
+        assert len(stored[impl]) == len(LENGTHS) and all(a == b for a, b in stored[impl])
+    assert stored["isal"] == stored["zlib"]
+    # each cache read, every row checked, with the other implementation
+    for written, crc in (("isal", zlib_crc), ("zlib", isal_crc)):
+        monkeypatch.setattr(rows_module, "crc32", crc)
+        cache = open_cache(tmp_path / written)
+        assert [cache.raw(i).input_ids.size for i in range(len(cache))] == LENGTHS
 
 
 def test_verify_passes_on_a_good_cache(tmp_path):
