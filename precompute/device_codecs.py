@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.shards.codecs import FP8_MAX
+from dflash.shards.codecs import FP8_MAX, FP8_MIN_SCALE
 
 DEVICE_CODECS = ("bf16", "fp8")
 """Feature codecs encoded on the target's device."""
@@ -46,7 +46,8 @@ def f32_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one scale per vector over the last dimension, mapping its max |x| to 448."""
     x = x.float()
     amax = x.abs().amax(dim=-1)  # [...]
-    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    scales = torch.where(amax > 0, (amax / torch.full_like(amax, FP8_MAX)).clamp_min(FP8_MIN_SCALE),
+                         torch.ones_like(amax))
     inverse = torch.ones_like(scales) / scales
     y = x * inverse.unsqueeze(-1)  # [..., H] float32, |y| <= 448 (+ 1 ulp)
     bits = y.view(torch.int32)

@@ -53,6 +53,9 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- fp8 e4m3
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# The smallest fp8 scale, float32's smallest normal (2^-126): below it 1 / scale overflows to
+# inf, and a vector whose max |x| is under 448 x 2^-126 (~5e-36) would encode as NaN.
+FP8_MIN_SCALE = float(np.finfo(np.float32).tiny)
 _FP8_MIN_NORMAL_BITS = 0x3C800000  # float32 bits of 2**-6, e4m3's smallest normal
 # Adding 2**14 to a float32 below 2**-6 rounds it (to nearest even) to a multiple of 2**-9,
 # e4m3's subnormal step, and leaves that multiple in the low mantissa bits.
@@ -68,7 +71,8 @@ def f32_to_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Encode float32 [..., H] as float8_e4m3fn codes with one scale per leading index.
 
     Returns (codes uint8 [..., H], scales float32 [...]) with x ~= decode(codes) * scale;
-    the scale maps each vector's max |x| to 448, so no code saturates. The bit layout is
+    the scale maps each vector's max |x| to 448, so no code saturates (floored at
+    FP8_MIN_SCALE, so that a vector of float32 subnormals still encodes). The bit layout is
     torch.float8_e4m3fn's (sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7F/0xFF are
     NaN and never produced), so `torch.from_numpy(codes).view(torch.float8_e4m3fn)` decodes it.
     Rounding is to nearest, ties to even.
@@ -77,7 +81,8 @@ def f32_to_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hidden = x.shape[-1]
     vectors = x.reshape(-1, hidden)  # [N, H]
     amax = np.maximum(vectors.max(axis=1), -vectors.min(axis=1))  # [N]
-    scales = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    scales = np.where(amax > 0, np.maximum(amax / np.float32(FP8_MAX), np.float32(FP8_MIN_SCALE)),
+                      np.float32(1)).astype(np.float32)
     inverse = (np.float32(1) / scales).astype(np.float32)
     codes = np.empty(vectors.shape, dtype=np.uint8)
     rows = max(1, _CHUNK_VALUES // hidden)

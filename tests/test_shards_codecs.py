@@ -57,6 +57,22 @@ def test_fp8_error_within_documented_bound(rng):
     assert codes.nbytes == x.size  # one byte per value
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_fp8_vectors_of_tiny_values_keep_the_bound():
+    # A max |x| under 448 x 2^-126 made 1 / scale overflow: every value, zeros included,
+    # decoded as +-max|x|. The scale is floored at 2^-126; the documented bound holds.
+    x = np.zeros((5, 16), np.float32)
+    for row, amax in enumerate([1e-30, 1e-36, 1e-38, 1e-41, 1e-45]):
+        x[row, :4] = np.float32(amax) * np.array([1.0, -0.5, 0.25, 0.0], np.float32)
+    codes, scales = codecs.f32_to_fp8(x)
+    decoded = codecs.fp8_to_f32(codes, scales)
+    assert (scales >= codecs.FP8_MIN_SCALE).all() and np.isfinite(decoded).all()
+    bound = np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * scales[..., None]) * (1 + 1e-6)
+    assert (np.abs(decoded - x) <= bound).all()
+    assert (decoded[x == 0] == 0).all()
+    assert decoded[0, 0] == x[0, 0]  # 1e-30 is far above the floor: the scale is max|x| / 448
+
+
 def test_fp8_all_zero_vector_decodes_to_zero():
     codes, scales = codecs.f32_to_fp8(np.zeros((2, 8), np.float32))
     np.testing.assert_array_equal(codecs.fp8_to_f32(codes, scales), 0.0)
