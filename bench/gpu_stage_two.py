@@ -16,9 +16,13 @@ bench/train_step.py), the GPU's data wait (CUDA events: the device idle while th
 and while the step waited for its copy) as a share of the step, the host's read time, and
 the checkpoint block: the training thread's time blocked by the mid-run checkpoint (waiting
 for the previous write plus queueing the snapshot) in median steps, beside the snapshot
-step's time over the median. Goals are PASS/FAIL lines (GPU data wait <= 5% of the step at
-both shapes, MFU >= 50% at Qwen3-8B's shape, checkpoint block <= 1 median step); the exit
-status is non-zero only on a correctness failure (the resume differs, or a section fails).
+step's time over the median; and, for three steps of the 8B fit (torch.profiler), where the
+device time goes (matmul, attention, the loss's Triton rows, optimizer, copies, the rest),
+the top kernels, and the share of the step in which some kernel ran. Goals are PASS/FAIL
+lines (GPU data wait <= 5% of the step at both shapes, MFU >= 50% at Qwen3-8B's shape,
+checkpoint block <= 1 median step); the exit status is non-zero only on a correctness
+failure (the resume differs, or a section fails). The profiled steps (6-8) are among the
+30 that the figures read; the profiler's own cost on them is small beside a 0.3 s step.
 
 Sizing (H200, about 180 s): caches are built from two random rows written again and again
 (contents do not matter to the timings), about 10 s each; the small fit about 30 s
@@ -67,7 +71,7 @@ SECTIONS = {
                            checkpoint_every=25), estimate_s=45),
     "qwen3-8b": dict(shape=SHAPES["gpu"], feature_codec="bf16", num_sequences=16, length=2048,
                      fit=dict(num_layers=5, num_drafts=15, tokens_per_step=16384, anchors_per_seq=512,
-                              max_steps=30, checkpoint_every=15), estimate_s=70),
+                              max_steps=30, checkpoint_every=15), estimate_s=75, profile=(6, 3)),
 }
 QUICK = {
     "small": dict(shape=TINY, feature_codec="fp8", num_sequences=12, length=96,
@@ -75,7 +79,7 @@ QUICK = {
                            checkpoint_every=4), estimate_s=30),
     "qwen3-8b": dict(shape=TINY, feature_codec="bf16", num_sequences=12, length=96,
                      fit=dict(num_layers=2, num_drafts=15, tokens_per_step=256, anchors_per_seq=8, max_steps=12,
-                              checkpoint_every=6), estimate_s=30),
+                              checkpoint_every=6), estimate_s=30, profile=(3, 2)),
 }
 RESUME_STEPS, RESUME_EVERY, RESUME_KILL_AT = 8, 4, 4  # the kill-and-resume fit: killed after step 4's write
 GOAL_DATA_WAIT, GOAL_MFU, GOAL_BLOCK_STEPS = 0.05, 0.50, 1.0
@@ -96,12 +100,20 @@ def run_shape(name: str, section: dict, workdir: Path, device: str) -> dict:
     cache_s = time.perf_counter() - t0
     config = fit_config(workdir, cache, name, device, **section["fit"])
     t0 = time.perf_counter()
-    fit(config)
+    profiler = None
+    if "profile" in section:
+        profiler = _profiled_fit(config, device, *section["profile"])
+    else:
+        fit(config)
     fit_s = time.perf_counter() - t0
     run_dir = Path(config.out)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     result = analyse(metrics, events)
+    if profiler is not None:
+        first, count = section["profile"]
+        wall_s = sum(m["step_time_s"] for m in metrics if first <= m["step"] < first + count)
+        result["profile"] = _kernel_profile(profiler, device, count, wall_s, first)
     step_s = {m["step"]: m["step_time_s"] for m in metrics}
     mid = [e for e in events if e["event"] == "checkpoint" and e["step"] < len(metrics)]  # not the final drain
     result.update(
@@ -117,6 +129,79 @@ def run_shape(name: str, section: dict, workdir: Path, device: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     return result
+
+
+# Where a step's device time goes (the profile of a few steps of the 8B fit): kernel name
+# patterns, lower case, first match wins; on a CPU (the script's own check) aten ops instead.
+KERNEL_KINDS = (
+    ("loss (Triton rows)", ("_chunk_rows_kernel",)),
+    ("attention", ("flex", "attention", "fmha", "flash", "triton_tem")),
+    ("matmul", ("gemm", "matmul", "cutlass", "xmma", "nvjet", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def _profiled_fit(config: FitConfig, device: str, first: int, count: int):
+    """fit(config) with torch.profiler recording training steps first .. first + count - 1
+    (1-based, as metrics.jsonl numbers them); returns the profiler. The profiler steps after
+    each logged step, through fit's own per-step logging (bench only, restored after)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dflash.train import fit as fit_module
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    log_step = fit_module._log_step
+    # Profiler step i is the work after step i's log line: training step i + 1.
+    window = schedule(wait=first - 2, warmup=1, active=count, repeat=1)
+    with profile(activities=activities, schedule=window) as profiler:
+        def log_and_step(*args, **kwargs):
+            log_step(*args, **kwargs)
+            profiler.step()
+
+        fit_module._log_step = log_and_step
+        try:
+            fit(config)
+        finally:
+            fit_module._log_step = log_step
+    return profiler
+
+
+def _kernel_profile(profiler, device: str, steps: int, wall_s: float, first: int) -> dict:
+    """Per step of the profiled window: device time by kind of kernel (KERNEL_KINDS; the
+    rest is "other": element-wise ops, norms, reductions, indexing), the top kernels, and on a
+    GPU the share of the steps' wall time in which some kernel ran (the union of kernel
+    intervals over all streams; what is not covered is the device waiting for the host)."""
+    from torch.autograd import DeviceType
+
+    try:
+        if device == "cuda":
+            spans = [(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
+                     if e.device_type == DeviceType.CUDA]
+            times = [(name, end - start) for name, start, end in spans]
+        else:
+            spans = []
+            times = [(e.name, e.self_cpu_time_total) for e in profiler.events()
+                     if e.device_type == DeviceType.CPU and not e.name.startswith("ProfilerStep")]
+        by_kind: dict[str, float] = {}
+        by_name: dict[str, float] = {}
+        for name, us in times:
+            lower = name.lower()
+            kind = next((k for k, patterns in KERNEL_KINDS if any(p in lower for p in patterns)), "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3 / steps
+            by_name[name] = by_name.get(name, 0.0) + us / 1e3 / steps
+        busy_ms = 0.0
+        end = float("-inf")
+        for _, start, stop in sorted(spans, key=lambda span: span[1]):
+            busy_ms += max(0.0, stop - max(start, end)) / 1e3
+            end = max(end, stop)
+        top = sorted(by_name.items(), key=lambda item: -item[1])[:12]
+        return {"steps": list(range(first, first + steps)), "wall_ms_per_step": 1e3 * wall_s / steps,
+                "ms_per_step": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+                "device_busy_fraction": busy_ms / steps / (1e3 * wall_s / steps) if spans and wall_s else None,
+                "top": [{"name": name[:120], "ms_per_step": ms} for name, ms in top]}
+    except Exception as error:  # noqa: BLE001 - a diagnostic: its failure is reported, not fatal
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 # The killed run: a fresh process that SIGKILLs itself once step RESUME_KILL_AT is logged and
@@ -241,6 +326,24 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_lines(results: dict) -> list[str]:
+    """Where the profiled steps' device time went (CPU time of aten ops on a CPU)."""
+    lines = []
+    for name in ("small", "qwen3-8b"):
+        p = results.get(name, {}).get("profile")
+        if p is None:
+            continue
+        if "error" in p:
+            lines.append(f"profile ({name}): not read: {p['error']}")
+            continue
+        busy = p["device_busy_fraction"]
+        lines.append(f"profile ({name}), steps {p['steps'][0]}-{p['steps'][-1]}, {p['wall_ms_per_step']:.1f} ms a step"
+                     + ("" if busy is None else f", some kernel running {busy:.1%} of it") + ": "
+                     + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in p["ms_per_step"].items()))
+        lines += [f"  {t['ms_per_step']:8.2f} ms  {t['name']}" for t in p["top"]]
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -291,6 +394,7 @@ def main() -> int:
     print(f"stage two on {results['device']}{' (quick shapes)' if args.quick else ''}, "
           f"{results['seconds']:.0f} s")
     print(table(results))
+    print("\n".join(profile_lines(results)))
     lines = goal_lines(results, args.device)
     for line in lines + [f"FAIL {failure}" for failure in failures]:
         print(line)

@@ -27,6 +27,13 @@ def test_gpu_stage_two_runs_on_a_cpu_at_quick_shapes(tmp_path):
         assert shape["gpu_data_wait_fraction"] is None  # no CUDA events on a CPU: absent, not 0
         assert shape["median_data_s"] > 0 and shape["snapshot_to"] == ["cpu"]
         assert shape["mid_checkpoint_block_steps"] is not None
+    # Where the profiled steps' time went: on a CPU, aten ops' own CPU time (1 thread), which
+    # cannot exceed those steps' wall time; the matrix products are among them.
+    profile = report["qwen3-8b"]["profile"]
+    assert profile["steps"] == [3, 4] and profile["device_busy_fraction"] is None
+    assert profile["ms_per_step"]["matmul"] > 0 and profile["top"]
+    assert 0.2 * profile["wall_ms_per_step"] < sum(profile["ms_per_step"].values()) <= profile["wall_ms_per_step"]
+    assert "profile" not in report["small"]
     resume = report["kill_and_resume"]
     assert resume["equal"] and resume["problems"] == [] and resume["killed_after_step"] < resume["steps"]
     assert any(line.startswith("PASS kill-and-resume on cpu") for line in report["goals"])
