@@ -39,6 +39,8 @@ script itself, tests/test_gpu_stage_two.py).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import shutil
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -102,7 +105,7 @@ def run_shape(name: str, section: dict, workdir: Path, device: str) -> dict:
     t0 = time.perf_counter()
     profiler = None
     if "profile" in section:
-        profiler = _profiled_fit(config, device, *section["profile"])
+        profiler, sync_sites = _profiled_fit(config, device, *section["profile"])
     else:
         fit(config)
     fit_s = time.perf_counter() - t0
@@ -114,6 +117,9 @@ def run_shape(name: str, section: dict, workdir: Path, device: str) -> dict:
         first, count = section["profile"]
         wall_s = sum(m["step_time_s"] for m in metrics if first <= m["step"] < first + count)
         result["profile"] = _kernel_profile(profiler, device, count, wall_s, first)
+        result["profile"]["host_syncs_per_step"] = None if sync_sites is None else len(sync_sites) / count
+        result["profile"]["host_sync_sites"] = None if sync_sites is None else dict(
+            sorted(collections.Counter(sync_sites).items(), key=lambda item: -item[1]))
     step_s = {m["step"]: m["step_time_s"] for m in metrics}
     mid = [e for e in events if e["event"] == "checkpoint" and e["step"] < len(metrics)]  # not the final drain
     result.update(
@@ -144,8 +150,10 @@ KERNEL_KINDS = (
 
 def _profiled_fit(config: FitConfig, device: str, first: int, count: int):
     """fit(config) with torch.profiler recording training steps first .. first + count - 1
-    (1-based, as metrics.jsonl numbers them); returns the profiler. The profiler steps after
-    each logged step, through fit's own per-step logging (bench only, restored after)."""
+    (1-based, as metrics.jsonl numbers them), and on CUDA the host's synchronizing calls in
+    those steps (torch.cuda.set_sync_debug_mode, each warning's file:line); returns (the
+    profiler, those call sites or None). The profiler steps after each logged step, through
+    fit's own per-step logging (bench only, restored after)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from dflash.train import fit as fit_module
@@ -154,9 +162,14 @@ def _profiled_fit(config: FitConfig, device: str, first: int, count: int):
     log_step = fit_module._log_step
     # Profiler step i is the work after step i's log line: training step i + 1.
     window = schedule(wait=first - 2, warmup=1, active=count, repeat=1)
-    with profile(activities=activities, schedule=window) as profiler:
-        def log_and_step(*args, **kwargs):
-            log_step(*args, **kwargs)
+    with profile(activities=activities, schedule=window) as profiler, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def log_and_step(run, *args, **kwargs):
+            log_step(run, *args, **kwargs)
+            if device == "cuda":  # warn on every sync while steps first .. first + count - 1 run
+                with contextlib.suppress(Exception):  # a diagnostic never fails the fit it watches
+                    torch.cuda.set_sync_debug_mode("warn" if first - 1 <= run.step < first + count - 1 else 0)
             profiler.step()
 
         fit_module._log_step = log_and_step
@@ -164,7 +177,16 @@ def _profiled_fit(config: FitConfig, device: str, first: int, count: int):
             fit(config)
         finally:
             fit_module._log_step = log_step
-    return profiler
+            if device == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.set_sync_debug_mode(0)
+    sites = []
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites.append(f"{Path(w.filename).name}:{w.lineno}")
+        else:  # the fit's other warnings, as they would have shown
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return profiler, (sites if device == "cuda" else None)
 
 
 def _kernel_profile(profiler, device: str, steps: int, wall_s: float, first: int) -> dict:
@@ -341,6 +363,9 @@ def profile_lines(results: dict) -> list[str]:
                      + ("" if busy is None else f", some kernel running {busy:.1%} of it") + ": "
                      + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in p["ms_per_step"].items()))
         lines += [f"  {t['ms_per_step']:8.2f} ms  {t['name']}" for t in p["top"]]
+        if p.get("host_syncs_per_step") is not None:
+            lines.append(f"  host syncs a step: {p['host_syncs_per_step']:.1f} ("
+                         + ", ".join(f"{site} x{n}" for site, n in p["host_sync_sites"].items()) + ")")
     return lines
 
 
