@@ -300,10 +300,8 @@ def _setup(config: FitConfig, rank: int, world_size: int, device: torch.device) 
     _barrier(world_size)  # rank 0 made and locked the folder (_fit)
 
     # Row checks on: every row's crc32 is verified the first time the run reads it, so a flipped
-    # bit in the cache is an error naming the shard, never trained on. With ISA-L's crc32 (~27
-    # GB/s of one core; zlib's 2-4 where isal is missing) a first read costs little more than a
-    # re-read; later epochs skip it (the mapping is read-only), and the read is hidden under the
-    # device's step either way (bench/train_step.py --sections read).
+    # bit in the cache is an error naming the shard, never trained on; later epochs skip it (the
+    # mapping is read-only). ISA-L's crc32 keeps a first read near a re-read (bench/train_step.py).
     caches = [open_cache(path, check_rows=True, check_once=True) for path in config.cache]
     fingerprint, warnings = caches_fingerprint(caches)  # refuses caches of different targets
     # The first start counts every sequence's anchors, split over the ranks; a resume reads the
