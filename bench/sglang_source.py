@@ -77,12 +77,12 @@ def sglang_sources(path: str | Path | None = None) -> Path:
         if result.returncode or not wheels:
             reason = (result.stderr.strip().splitlines() or ["no wheel written"])[-1]
             raise OSError(f"pip download sglang=={SGLANG_VERSION} failed: {reason}")
-        staging = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))  # renamed into place: one filesystem
         with zipfile.ZipFile(wheels[0]) as wheel:
             for name in MODULES + SERVER_FILES:
                 wheel.extract(name, staging)
         (staging / READY).write_text(f"sglang=={SGLANG_VERSION}\n")
-        folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         staging.replace(folder)
     return folder

@@ -270,3 +270,16 @@ def test_the_card_serves_it_with_sglangs_algorithm_and_block(sglang, tmp_path, n
     assert int(flags[block_flag]) == (c.num_drafts if row.algorithm == "DSPARK" else c.num_drafts + 1)
     hook = (sglang / "sglang/srt/arg_groups/speculative_hook.py").read_text()
     assert "verify_window = int(gamma) + 1" in hook  # DSPARK: num-draft-tokens is gamma + 1, set by SGLang
+
+
+@pytest.mark.parametrize("handler, says", [
+    ("_handle_dflash", "is not supported by"),
+    ("_handle_dspark", "DSpark speculative decoding only supports CUDA, NPU or XPU device."),
+])
+def test_sglang_refuses_these_algorithms_on_a_cpu(sglang, handler, says):
+    """Why the cards say "a GPU": SGLang's server resolves each algorithm in speculative_hook.py and
+    raises unless the device is CUDA, NPU or XPU (or an out-of-tree platform that claims it)."""
+    tree = server_source(sglang, "sglang/srt/arg_groups/speculative_hook.py")
+    (function,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == handler]
+    assert any(says in text for text in _string_constants(function))
+    assert {"cuda", "xpu"} <= _string_constants(function)

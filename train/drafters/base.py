@@ -253,8 +253,8 @@ class DrafterKind:
              f"Draft vocabulary: this drafter scores {c.draft_vocab_size:,} of the target's {c.vocab_size:,} tokens "
              "(`lm_head.weight` holds the target head's rows of them, `d2t` maps each row to its token: "
              "target id = row + d2t[row]), which vLLM loads; z-lab/dflash's `DFlashDraftModel` loads no draft "
-             "vocabulary, nor does SGLang's DFlash loader as far as we know (train without `--draft-vocab` for "
-             "them)."),
+             "vocabulary, and SGLang 0.5.23's drops both tensors and drafts over the whole vocabulary (train "
+             "without `--draft-vocab` for them)."),
         ]
 
     def export_warning(self, folder_name: str) -> str | None:
