@@ -57,9 +57,11 @@ MODULES = (
     "sglang/srt/speculative/lilicorr_utils.py",
     "sglang/srt/models/lilicorr.py",
 )
-# Read as text only: the server's flags and how it resolves each algorithm's block.
+# Read as text only: the server's flags and how it resolves each algorithm's block; LiLiCorr's
+# kernel file for its constants (`KERNEL_CONSTANTS`).
 SERVER_FILES = ("sglang/srt/arg_groups/speculative_hook.py", "sglang/srt/arg_groups/field_order.py",
-                "sglang/srt/speculative/spec_info.py")
+                "sglang/srt/speculative/spec_info.py", "sglang/kernels/ops/speculative/lilicorr.py")
+KERNEL_CONSTANTS = {"MAX_FUSED_CANDIDATE_TOPK": "sglang/kernels/ops/speculative/lilicorr.py"}
 
 
 def sglang_sources(path: str | Path | None = None) -> Path:
@@ -127,6 +129,7 @@ class _ShardedLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = int(input_size), int(sum(output_sizes))
         self.shards = shards or {}
+        self.quant_method = None  # unquantized
         self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size), requires_grad=False)
         self.weight.weight_loader = functools.partial(self._load, rows_last=False)
         if bias:
@@ -216,6 +219,9 @@ STANDINS: dict[str, Any] = {
     "get_parallel": lambda: SimpleNamespace(tp_size=1, tp_rank=0),
     "is_npu": lambda: False, "_is_npu": False, "is_gfx95_supported": lambda: False,
     "get_compiler_backend": lambda: "eager", "_flashinfer_top_k": None,
+    # Quantized linear methods: no stand-in linear is one.
+    "ModelOptNvFp4A16LinearMethod": type("ModelOptNvFp4A16LinearMethod", (), {}),
+    "ModelOptFp4LinearMethod": type("ModelOptFp4LinearMethod", (), {}),
 }
 
 
@@ -271,6 +277,14 @@ def _executable(tree: ast.Module) -> ast.Module:
     return ast.Module(body=body, type_ignores=[])
 
 
+def _constant(path: Path, name: str) -> Any:
+    """A module-level literal `name = ...` of a file SGLang's models import (read, not run)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{path}: no {name}")
+
+
 def _module_imports(tree: ast.Module) -> list[str]:
     """The names a module's top-level imports bind (inside its try/if blocks too)."""
     names, blocks = [], list(tree.body)
@@ -288,7 +302,8 @@ def sglang_namespaces(folder: Path, ragged_verify_mode: str = "static") -> dict[
     """SGLang's modules (`MODULES`), each executed in its own namespace: relative path -> names.
     `ragged_verify_mode` is SGLANG_RAGGED_VERIFY_MODE (DSpark builds its confidence head unless
     it is "static", the default)."""
-    standins = {**STANDINS, "read_ragged_verify_mode": lambda: RaggedVerifyMode(ragged_verify_mode)}
+    constants = {name: _constant(folder / relative, name) for name, relative in KERNEL_CONSTANTS.items()}
+    standins = {**STANDINS, **constants, "read_ragged_verify_mode": lambda: RaggedVerifyMode(ragged_verify_mode)}
     imported: dict[str, Any] = {}
     namespaces = {}
     for relative in MODULES:

@@ -241,6 +241,30 @@ def test_sglang_serves_no_draft_vocabulary(sglang, tmp_path, kind, says):
         any(s in line for s in says) for line in found), found
 
 
+# SGLang's LiLiCorr geometry fields (its lilicorr_utils.py reads each, without defaults, from dflash_config).
+LILICORR = dict(lilicorr_enabled=True, lilicorr_candidate_topk=4, lilicorr_hidden_size=0, lilicorr_num_layers=1,
+                lilicorr_num_heads=2, lilicorr_mlp_ratio=2.0, lilicorr_factor_dim=8, lilicorr_vector_eps=1e-6,
+                lilicorr_logit_scale=1.0)
+
+
+@pytest.mark.parametrize("with_head", [True, False])
+def test_sglangs_lilicorr_model_runs_here(sglang, tmp_path, with_head):
+    """The harness runs SGLang's lilicorr.py too, ready for a LiLiCorr row: a DFlash export
+    relabelled `LiLiCorrDraftModel` with the geometry fields builds SGLang's head (rows of the
+    block but the anchor, top-k ranks, factor heads) and its loader's own coverage check refuses
+    the folder until the head's tensors are there."""
+    config, shapes, c = export(ROWS["dflash"], tmp_path)
+    config["architectures"] = ["LiLiCorrDraftModel"]
+    config["dflash_config"].update(LILICORR)
+    sg = sglang_model(sglang, config)
+    head = {name: shape for name, shape in sg.parameters().items() if name.startswith("lilicorr.")}
+    assert head["lilicorr.slot_embedding"] == (1, 1, c.num_drafts, 1, 32)
+    assert head["lilicorr.rank_embedding"] == (1, 1, 1, 4, 32) and head["lilicorr.out_head.weight"] == (8, 32)
+    report = sg.load({**shapes, **(head if with_head else {})})
+    assert report.ignored == [] and report.unloaded == ([] if with_head else sorted(head))
+    assert (report.error is None) if with_head else "LiLiCorr checkpoint is missing 34 head parameters" in report.error
+
+
 # -- the model card's SGLang command ---------------------------------------------------------
 
 
