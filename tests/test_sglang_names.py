@@ -6,7 +6,10 @@ each kind's heads), read no field we lack unless its default means ours (`DEFAUL
 every tensor of ours with the right shape into a parameter, leaving none of its own unfilled
 (its DFlash loader drops unknown names silently). Broken exports fail the same checks.
 
-One row per kind (`ROWS`): a kind added to train/drafters/ adds one row here.
+One row per kind (`ROWS`): a kind added to train/drafters/ adds one row here, naming its config
+fields, the SGLang file and algorithm that serve it and the SGLang attributes its heads set
+(LiLiCorr: "sglang/srt/models/lilicorr.py", "DFLASH", and e.g. "lilicorr.candidate_topk";
+`test_sglangs_lilicorr_model_runs_here` shows the harness building that file's head).
 """
 
 from __future__ import annotations
