@@ -275,7 +275,7 @@ def _string_constants(tree: ast.AST) -> set[str]:
     return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("name", ROWS)
 def test_the_card_serves_it_with_sglangs_algorithm_and_block(sglang, tmp_path, name):
     """The card's `sglang.launch_server` line names the row's algorithm (an enum member of SGLang's
     spec_info.py) and the block in the flag SGLang resolves it from (its speculative_hook.py):
@@ -294,6 +294,8 @@ def test_the_card_serves_it_with_sglangs_algorithm_and_block(sglang, tmp_path, n
     assert flags["--speculative-draft-model-path"] == "/path/to/THIS/FOLDER"
     block_flag = "--speculative-dspark-block-size" if row.algorithm == "DSPARK" else "--speculative-num-draft-tokens"
     assert block_flag.removeprefix("--").replace("-", "_") in fields
+    # Both equal the config.json's block_size, SGLang's default for the flag.
+    assert int(flags[block_flag]) == drafters.get(row.kind).hf_block_size(c)
     assert int(flags[block_flag]) == (c.num_drafts if row.algorithm == "DSPARK" else c.num_drafts + 1)
     hook = (sglang / "sglang/srt/arg_groups/speculative_hook.py").read_text()
     assert "verify_window = int(gamma) + 1" in hook  # DSPARK: num-draft-tokens is gamma + 1, set by SGLang
