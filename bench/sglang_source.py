@@ -349,7 +349,8 @@ class _ReadDict(dict):
 class HFConfig:
     """config.json as SGLang's model code reads a Hugging Face config: its fields as attributes
     (AttributeError when absent, so `getattr(config, name, default)` takes the default), with
-    every field read recorded in `reads` (`dflash_config.` + key for the nested ones)."""
+    every field read recorded in `reads` (`dflash_config.` + key for the nested ones; a nested
+    dict unpacked with `**`, as DSpark's config merge does, reads unrecorded)."""
 
     def __init__(self, data: dict[str, Any]) -> None:
         reads: set[str] = set()
