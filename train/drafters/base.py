@@ -245,21 +245,16 @@ class DrafterKind:
             f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
             "```",
             "",
-            "SGLang (needs a GPU):",
-            "",
-            "```bash",
-            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            "--speculative-draft-model-path /path/to/THIS/FOLDER "
-            f"--speculative-num-draft-tokens {self.hf_block_size(c)}",
-            "```",
+            *sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", self.hf_block_size(c),
+                            "the verify window: the drafts and the anchor"),
             "",
             ("Transformers: z-lab/dflash's `DFlashDraftModel.from_pretrained(folder)` and its "
              "`dflash_generate` loop." if c.draft_vocab_size is None else
              f"Draft vocabulary: this drafter scores {c.draft_vocab_size:,} of the target's {c.vocab_size:,} tokens "
              "(`lm_head.weight` holds the target head's rows of them, `d2t` maps each row to its token: "
              "target id = row + d2t[row]), which vLLM loads; z-lab/dflash's `DFlashDraftModel` loads no draft "
-             "vocabulary, nor does SGLang's DFlash loader as far as we know (train without `--draft-vocab` for "
-             "them)."),
+             "vocabulary, and SGLang 0.5.23's drops both tensors and drafts over the whole vocabulary (train "
+             "without `--draft-vocab` for them)."),
         ]
 
     def export_warning(self, folder_name: str) -> str | None:
@@ -278,12 +273,25 @@ def vllm_placeholders(target: str | None, speculative: dict[str, Any]) -> tuple[
     return (f"/path/to/{target}" if target else "/path/to/TARGET"), spec
 
 
-def vllm_serving(target: str, spec: str, intro: str, closing: str) -> list[str]:
-    """A model card's "Serving" section for a kind vLLM serves alone: `intro`, vLLM's server
-    command with the folder's --speculative-config `spec`, and `closing`."""
+def vllm_serving(target: str, spec: str, intro: str, closing: str, sglang: list[str] = ()) -> list[str]:
+    """A model card's "Serving" section: `intro`, vLLM's server command with the folder's
+    --speculative-config `spec`, then `sglang` (`sglang_serving`'s lines, if any) and `closing`."""
     return ["## Serving", "", intro, "", "```bash",
             f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config {spec}",
-            "```", "", closing]
+            "```", "", *sglang, *([""] if sglang else []), closing]
+
+
+def sglang_serving(target: str, algorithm: str, block_flag: str, block: int, meaning: str) -> list[str]:
+    """A model card's SGLang lines: its server command with `--speculative-algorithm algorithm` and
+    the block in the flag SGLang resolves it from (`block_flag` `block`, which is `meaning`).
+    SGLang 0.5.23 serves its DFLASH and DSPARK algorithms on CUDA, NPU and XPU devices only."""
+    return [f"SGLang (`--speculative-algorithm {algorithm}`, 0.5.23 or later; a GPU: it serves the algorithm on CUDA, "
+            f"NPU and XPU only; `{block_flag}` {block} is {meaning}):",
+            "",
+            "```bash",
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path /path/to/THIS/FOLDER {block_flag} {block}",
+            "```"]
 
 
 def greedy_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
@@ -312,4 +320,5 @@ def _drafts(logits: torch.Tensor, head: TargetHead, n: int, margins: bool) -> Dr
                   margins=(top.values[:, 0] - top.values[:, 1]).view(n, -1))
 
 
-__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "vllm_placeholders", "vllm_serving"]
+__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "sglang_serving", "vllm_placeholders",
+           "vllm_serving"]

@@ -48,7 +48,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders, vllm_serving
+from dflash.train.drafters.base import (
+    DrafterKind,
+    Drafts,
+    LossOperands,
+    sglang_serving,
+    vllm_placeholders,
+    vllm_serving,
+)
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterLayer, TargetHead
 
 # The config.json fields (under dflash_config) vLLM's loader, speculators and z-lab read.
@@ -442,7 +449,9 @@ class DFlash2Kind(DrafterKind):
             "on vLLM's V2 model runner only, vLLM's default where Triton is installed, as on a GPU (on a CPU it needs "
             "Triton, which PyPI's build lacks):",
             "Transformers: z-lab/dflash's `DFlash2DraftModel.from_pretrained(folder)` and its `dflash_generate` "
-            "loop. SGLang's DFlash loader does not load the convolutions or the selector.")
+            "loop.",
+            sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", self.hf_block_size(c),
+                           "the verify window and the convolutions' block, as trained: the drafts and the anchor"))
 
 
 __all__ = ["CandidateSelector", "DFlash2Config", "DFlash2Drafter", "DFlash2Kind", "DFlash2Layer", "DFlash2Options",

@@ -43,7 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders, vllm_serving
+from dflash.train.drafters.base import (
+    DrafterKind,
+    Drafts,
+    LossOperands,
+    sglang_serving,
+    vllm_placeholders,
+    vllm_serving,
+)
 from dflash.train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 
@@ -292,9 +299,11 @@ class DSparkKind(DrafterKind):
         """What vLLM's qwen3_dspark loader and DSpark speculator read beyond the DFlash fields:
         the architecture, the Markov rank, the anchor-predicts layout, the confidence head, and
         no top-k restriction of the Markov bias (dspark_draft_topk null: the bias over the whole
-        draft vocabulary, as trained)."""
+        draft vocabulary, as trained); SGLang's `dspark.py` also needs the Markov head's type
+        (it refuses a markov_rank without one)."""
         return {
             "markov_rank": config.markov_rank,
+            "markov_head_type": "vanilla",  # two low-rank matrices, SGLang's VanillaMarkov
             "sample_from_anchor": True,
             "enable_confidence_head": config.confidence_head,
             "confidence_head_with_markov": config.confidence_head,
@@ -313,9 +322,11 @@ class DSparkKind(DrafterKind):
 
     def check_hf(self, data: dict[str, Any], where: str) -> None:
         if (data.get("sample_from_anchor", True) is not True or data.get("markov_rank") is None
+                or data.get("markov_head_type", "vanilla") != "vanilla"
                 or (data.get("enable_confidence_head") and not data.get("confidence_head_with_markov"))):
-            raise ValueError(f"{where}: this DSpark drafter implements sample_from_anchor true, a markov_rank, and a "
-                             "confidence head with the Markov embedding; the checkpoint sets otherwise")
+            raise ValueError(f"{where}: this DSpark drafter implements sample_from_anchor true, a markov_rank of "
+                             "markov_head_type vanilla, and a confidence head with the Markov embedding; the "
+                             "checkpoint sets otherwise")
 
     def config_from_hf(self, fields: dict[str, Any], data: dict[str, Any]) -> DrafterConfig:
         return DSparkConfig(**fields, markov_rank=int(data["markov_rank"]),
@@ -340,7 +351,11 @@ class DSparkKind(DrafterKind):
             f"speculative method; greedy output is the target's own. `num_speculative_tokens` is the drafts per "
             f"verify, {c.num_drafts} (vLLM's default from `block_size`). DSpark runs on vLLM's V2 model runner only, "
             "which on a GPU needs nothing special (on a CPU it needs Triton, which PyPI's build lacks):",
-            "z-lab/dflash's code and SGLang's DFlash loader do not load the Markov head.")
+            "z-lab/dflash's code does not load the Markov head. SGLang uses the confidence head only with "
+            "`SGLANG_RAGGED_VERIFY_MODE` other than its default `static`, and then needs one (`fit "
+            "--confidence-head`); it loads no draft vocabulary (train without `--draft-vocab` for it).",
+            sglang_serving(target, "DSPARK", "--speculative-dspark-block-size", c.num_drafts,
+                           f"gamma, the drafts; SGLang verifies {c.num_drafts + 1} tokens"))
 
     def export_warning(self, folder_name: str) -> str | None:
         return None  # the exported config's architecture names the method
