@@ -637,8 +637,8 @@ def _distill(operands: drafters.LossOperands, teacher: Teacher,
         # before any rounding (a scale of the returned loss would round a bf16 dX twice).
         weights, ce_weight = 0.9 * weights, 0.1 / 0.9
     loss, argmax = sparse_kl_loss(rows, weight, ids, logprobs, weights, tail="bucket",
-                                  divergence="tv" if config.loss.startswith(("tv", "0.9tv")) else "kl",
-                                  reduction="sum", ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
+                                  divergence="tv" if "tv" in config.loss else "kl", reduction="sum",
+                                  ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
                                   return_argmax=True, weight_grad_from=frozen)
     return loss, operands.head.to_target(argmax)
 
