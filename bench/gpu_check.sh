@@ -7,9 +7,10 @@
 # here, in one call, each section under its own time limit (seconds, in SECTIONS below):
 #
 #   kernel       bench/gpu_kernel_check.py: the loss kernel's parity at (16384, 4096, 151936, 32)
-#                (fp32 reference, the plain bf16 form, bitwise determinism, the dW path), its time
-#                against one bf16 matmul, its extra memory, and the Triton part's share at
-#                SmolLM2's shape (8192, 576, 49152, 32)
+#                (fp32 reference, the plain bf16 form, bitwise determinism, the dW path), the same
+#                for divergence="tv" and DSpark's 0.9 TV + 0.1 CE, its time against one bf16
+#                matmul, its extra memory (TV's checked equal to KL's), and the Triton part's
+#                share at SmolLM2's shape (8192, 576, 49152, 32)
 #   train_path   bench/gpu_train_check.py: Flex Attention against the dense path and a float64
 #                reference (forward and every parameter's gradient), a short bf16 fit
 #   stage_one    bench/gpu_stage_one.py: dflash-precompute on a 1.6 B random Llama in bf16, fp8

@@ -5,13 +5,18 @@
    (IEEE matmuls) on the same bf16 values, and against the plain bf16 PyTorch form (the Cut
    Cross-Entropy criterion); bitwise determinism of two runs; the training call (reduction
    "sum", a third of the row weights 0); at N = 2048 the dW (recompute) path in bf16 and fp32.
+   Then the same for divergence="tv" at the same shape: TV alone against the fp32 torch
+   reference and the plain bf16 form, bitwise determinism, and DSpark's 0.9 TV + 0.1 CE as
+   fit calls it (row weights x 0.9, a third 0, CE weight 1/9, reduction "sum").
    A failed parity check fails the script.
 2. Timing and memory, one forward + backward (dX) step with a frozen head, at the 8B shape
    above and SmolLM2's (8192, 576, 49152, 32): a bf16 torch.mm of the logits' shape, the
    Triton path with its defaults, "chunked cuBLAS only" (the same chunks' two GEMMs without
    the Triton kernel: the design's ceiling), the old 2 GiB workspace, the persistent-grid
    option (TritonConfig.programs_per_sm), smaller workspaces at SmolLM2's shape, and k = 1
-   against Liger's fused linear cross-entropy where it imports. Extra memory is
+   against Liger's fused linear cross-entropy where it imports; beside "triton (defaults)"
+   (KL), "triton tv" and "triton 0.9tv+0.1ce" with the same defaults. TV's extra memory is
+   checked equal to KL's (the same buffers: kernels/sparse_kl.py), its time reported. Extra memory is
    torch.cuda.max_memory_allocated during the step minus what was allocated before it.
    The Triton part's share of a step is 1 - (chunked cuBLAS only) / (triton), same chunks.
    Goals (issue 42), reported and not failed on: extra memory at the 8B shape <= 512 MiB
@@ -155,6 +160,55 @@ def parity(checks: Checks, device: torch.device, shape, kw: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def preset_args(ids: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor) -> dict:
+    """sparse_kl_loss options of fit's `--loss 0.9tv+0.1ce` call (train/fit.py, _distill):
+    0.9 (tv + ce / 9) with the 0.9 on the row weights, CE to the teacher's top-1."""
+    top1 = ids.gather(1, logprobs.argmax(1, keepdim=True))[:, 0]  # [N]
+    return {"weights": 0.9 * weights, "divergence": "tv", "ce_targets": top1, "ce_weight": 0.1 / 0.9,
+            "reduction": "sum"}
+
+
+def parity_tv(checks: Checks, device: torch.device, shape, kw: dict) -> None:
+    # The same tolerances as parity() above: TV's rows are sums of |p - q| formed in fp32 from
+    # the same fp32 logits, so the loss is off by summation order only (1e-4), and dX carries
+    # the same two bf16 roundings (1e-2 Frobenius). A sign(p_i - q_i) that flips between the
+    # two runs (|p_i - q_i| below ~1e-6) moves one logit gradient by ~p_i: nothing in norm.
+    n_full = shape[0]
+    hidden, weight, ids, logprobs = make_inputs(*shape, dtype=torch.bfloat16, device=device)
+    hidden = hidden.detach()
+    tv = {"divergence": "tv"}
+    ref_loss, _, ref_dx, _, t_ref = run("torch", hidden.float(), weight.float(), ids, logprobs, **tv)
+    print(f"  tv: fp32 torch reference: loss {ref_loss.item():.6f} in {t_ref:.1f} s", flush=True)
+    loss, arg, dx, _, t_tri = run("triton", hidden, weight, ids, logprobs, **tv, **kw)
+    print(f"  tv: bf16 triton: loss {loss.item():.6f} in {t_tri:.1f} s (first TV call compiles)", flush=True)
+    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    checks.check("tv: bf16 triton loss vs fp32 reference (relative)", loss_err, 1e-4)
+    checks.check("tv: bf16 triton dX vs fp32 reference (relative Frobenius)", rel(dx, ref_dx), 1e-2)
+    loss2, arg2, dx2, _, _ = run("triton", hidden, weight, ids, logprobs, **tv, **kw)
+    checks.check("tv: triton determinism: differing bits between two runs (count)",
+                 float((loss2 != loss).sum() + (arg2 != arg).sum() + (dx2 != dx).sum()), 0.0)
+    del dx2
+    base_loss, _, base_dx, _, _ = run("naive", hidden, weight, ids, logprobs, **tv)
+    base_loss_err = abs(base_loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    print(f"  tv: plain bf16 form: loss error {base_loss_err:.3e}, dX error {rel(base_dx, ref_dx):.3e}", flush=True)
+    checks.check("tv: bf16 triton loss error minus bf16 form's", loss_err - base_loss_err, 2.0**-9)
+    checks.check("tv: bf16 triton dX error minus bf16 form's", rel(dx, ref_dx) - rel(base_dx, ref_dx), 2.0**-9)
+    del ref_dx, dx, base_dx
+    weights = torch.rand(n_full, generator=torch.Generator().manual_seed(1)).to(device) + 0.5
+    weights[1::3] = 0.0
+    preset = preset_args(ids, logprobs, weights)
+    ref_loss, _, ref_dx, _, _ = run("torch", hidden.float(), weight.float(), ids, logprobs, **preset)
+    loss, _, dx, _, _ = run("triton", hidden, weight, ids, logprobs, **preset, **kw)
+    checks.check("0.9tv+0.1ce: bf16 triton, weighted sum: loss vs fp32 reference (relative)",
+                 abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), 1e-4)
+    checks.check("0.9tv+0.1ce: bf16 triton, weighted sum: dX vs fp32 reference (relative Frobenius)",
+                 rel(dx, ref_dx), 1e-2)
+    checks.check("0.9tv+0.1ce: nonzero dX entries in weight-0 rows (count)", float((dx[1::3] != 0).sum()), 0.0)
+    del hidden, weight, ids, logprobs, ref_dx, dx
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -237,10 +291,15 @@ def time_shape(device: torch.device, shape, iters: int, deadline: float, workspa
         hidden.grad = None
         sparse_kl_loss(hidden, weight, labels, zeros, impl="triton", **kw).backward()
 
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(1)).to(device) + 0.5  # [N]
+    preset = preset_args(ids, logprobs, weights)
+
     # (label, fn, workspace of its chunks for the cuBLAS-only comparison, or None)
     candidates = [
         ("torch.mm bf16 [N,H]x[H,V]", lambda: torch.mm(hidden.detach(), weight.T), None),
         ("triton (defaults)", step(), default),
+        ("triton tv", step(divergence="tv"), default),
+        ("triton 0.9tv+0.1ce", step(**preset), default),
         (f"triton[workspace {size_label(OLD_WORKSPACE)}] (before)", step(workspace_bytes=OLD_WORKSPACE),
          OLD_WORKSPACE),
         *[(f"triton[programs_per_sm {p}]", step(triton_config=TritonConfig(**cfg, programs_per_sm=p)), default)
@@ -305,7 +364,13 @@ def goals(rows: list[dict], shapes) -> dict:
         out["extra_mib_8b"] = new["peak_extra_mib"]
         if old is not None:
             out["time_vs_before_8b"] = new["median_ms"] / old["median_ms"]
-    best = [r for r in rows if r["shape"] == list(small) and "triton_share" in r and "error" not in r]
+    tv = find("triton tv", big)
+    if new is not None and tv is not None:
+        out["tv_time_vs_kl_8b"] = tv["median_ms"] / new["median_ms"]
+        if tv["peak_extra_mib"] is not None:
+            out["tv_extra_mib_minus_kl_8b"] = tv["peak_extra_mib"] - new["peak_extra_mib"]
+    best = [r for r in rows if r["shape"] == list(small) and "triton_share" in r and "error" not in r
+            and r["impl"] not in ("triton tv", "triton 0.9tv+0.1ce")]
     new_small = find("triton (defaults)", small)
     if new_small is not None:
         out["triton_share_smollm2_defaults"] = new_small["triton_share"]
@@ -341,6 +406,8 @@ def main() -> None:
     checks = Checks()
     print(f"gpu_kernel_check: parity at {shapes[0]}", flush=True)
     parity(checks, device, shapes[0], kw)
+    print(f"gpu_kernel_check: parity of divergence='tv' at {shapes[0]}", flush=True)
+    parity_tv(checks, device, shapes[0], kw)
     print(f"gpu_kernel_check: timing and memory (budget {args.budget_s:.0f} s from the start; ms, cuBLAS-only ms "
           "of the same chunks, Triton part %, peak extra MiB)", flush=True)
     rows = timing(device, shapes, args.iters or (1 if args.quick else 5), deadline, small_workspaces, kw, cfg)
@@ -349,6 +416,12 @@ def main() -> None:
     g = report["goals"]
     if device.type == "cuda" and g.get("extra_mib_8b") is not None:
         checks.check(f"extra memory of a training step at {FULL} (MiB)", g["extra_mib_8b"], MEMORY_GOAL_MIB)
+    if g.get("tv_extra_mib_minus_kl_8b") is not None:
+        checks.check(f"extra memory of a TV training step minus KL's at {FULL} (MiB)", g["tv_extra_mib_minus_kl_8b"],
+                     1.0)
+    if "tv_time_vs_kl_8b" in g:
+        print(f"gpu_kernel_check: TV against KL at {shapes[0]}, defaults: time {g['tv_time_vs_kl_8b']:.3f}x",
+              flush=True)
     if "time_vs_before_8b" in g:
         print(f"gpu_kernel_check: goal: time vs the 2 GiB workspace at {shapes[0]}: {g['time_vs_before_8b']:.3f} "
               f"(goal <= 1.0: {'met' if g['time_vs_before_8b'] <= 1.0 else 'NOT met'})", flush=True)

@@ -3,7 +3,8 @@
 The head is frozen (weight.requires_grad = False, as in DFlash) and the hidden states
 require grad, so one step is the loss plus dX.
 
-CPU (fp32, N=4096, H=576, V=49152, k=32): naive against torch. Time is the median over
+CPU (fp32, N=4096, H=576, V=49152, k=32): naive against torch, and torch with
+divergence="tv" (the TV row: the same passes, a different row loss). Time is the median over
 --iters steps in this process after one warm-up step. Peak extra memory is measured in a
 fresh subprocess per impl, because torch's CPU allocator is invisible to tracemalloc: the
 child runs a tiny warm-up step (so that mapping the BLAS code and thread pools is not
@@ -11,7 +12,8 @@ counted), builds its inputs in place (no transient copies), resets the kernel's 
 peak (`/proc/self/clear_refs` 5), reads its resident set (VmRSS), runs one step and reports
 the new peak (VmHWM) minus that: the most the resident set rose above "inputs allocated".
 
-GPU (bf16, (16384, 4096, 151936, 32) and (8192, 576, 49152, 32)): triton, torch chunked,
+GPU (bf16, (16384, 4096, 151936, 32) and (8192, 576, 49152, 32)): triton, triton with
+divergence="tv" and with DSpark's 0.9 TV + 0.1 CE (fit's call), torch chunked,
 torch.compile of the naive form, and naive; then the cross-entropy case k = 1 against
 Liger's fused linear cross-entropy and Cut Cross-Entropy when they import. Time is the
 median of CUDA-event timings; TFLOP/s counts 4*N*H*V (a frozen head: logits plus dX) per
@@ -112,19 +114,19 @@ def proc_status_bytes(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def memory_child(impl: str, shape: tuple[int, int, int, int]) -> None:
+def memory_child(impl: str, divergence: str, shape: tuple[int, int, int, int]) -> None:
     """Run in a fresh process: one step of impl, print the resident-set rise as JSON."""
     n, h, v, k = shape
     # A tiny step first maps the BLAS/oneDNN code and thread pools into the process, a
     # one-off cost that is not the step's memory.
-    step(sparse_kl(impl), *make_inputs(64, h, 512, k))
+    step(sparse_kl(impl, divergence=divergence), *make_inputs(64, h, 512, k))
     inputs = make_inputs(*shape)
     # Reset the peak to the current resident set (Linux >= 4.0). getrusage's ru_maxrss is
     # no use here: it keeps the parent's resident set from before the exec as a floor.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = proc_status_bytes("VmRSS")
-    step(sparse_kl(impl), *inputs)
+    step(sparse_kl(impl, divergence=divergence), *inputs)
     print(json.dumps({"extra_bytes": proc_status_bytes("VmHWM") - before, "rss_before": before}))
 
 
@@ -132,8 +134,8 @@ def cpu_rows(shape, iters: int) -> list[dict]:
     n, h, v, k = shape
     inputs = make_inputs(*shape)
     rows = []
-    for impl in ("naive", "torch"):
-        fn = sparse_kl(impl)
+    for label, impl, divergence in (("naive", "naive", "kl"), ("torch", "torch", "kl"), ("torch tv", "torch", "tv")):
+        fn = sparse_kl(impl, divergence=divergence)
         step(fn, *inputs)  # warm-up (thread pools, allocator)
         times = []
         for _ in range(iters):
@@ -141,13 +143,14 @@ def cpu_rows(shape, iters: int) -> list[dict]:
             step(fn, *inputs)
             times.append(time.perf_counter() - t0)
         child = subprocess.run(
-            [sys.executable, __file__, "--memory-child", impl, "--shape", *map(str, shape)],
+            [sys.executable, __file__, "--memory-child", impl, "--divergence", divergence,
+             "--shape", *map(str, shape)],
             check=True, capture_output=True, text=True,
         )
         mem = json.loads(child.stdout.strip().splitlines()[-1])
         ms = statistics.median(times) * 1e3
         rows.append({
-            "impl": impl, "shape": list(shape), "dtype": "float32", "median_ms": ms,
+            "impl": label, "shape": list(shape), "dtype": "float32", "median_ms": ms,
             "times_ms": [t * 1e3 for t in times], "tflops": 4 * n * h * v / (ms * 1e-3) / 1e12,
             "peak_extra_mib": mem["extra_bytes"] / 2**20,
             "memory_method": "VmHWM - VmRSS after clear_refs, fresh subprocess",
@@ -226,9 +229,15 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
 
         labels = ids[:, :1].contiguous()  # [N, 1]
         zeros = torch.zeros(n, 1, device=hidden.device)
+        top1 = ids.gather(1, logprobs.argmax(1, keepdim=True))[:, 0]  # [N]
+        preset_weights = torch.full((n,), 0.9, device=hidden.device)  # [N]: fit's preset puts 0.9 on the row weights
         # Each candidate runs one whole step: the loss and dX (hidden.grad).
         candidates = {
             "triton": sparse_kl("triton"),
+            "triton tv": sparse_kl("triton", divergence="tv"),
+            "triton 0.9tv+0.1ce": lambda x, w, i, lq, top1=top1, preset_weights=preset_weights: sparse_kl_loss(
+                x, w, i, lq, preset_weights, divergence="tv", ce_targets=top1, ce_weight=0.1 / 0.9, reduction="sum",
+                impl="triton"),
             "chunked cuBLAS only": None,
             "torch": sparse_kl("torch"),
             "naive": sparse_kl("naive"),
@@ -270,7 +279,7 @@ def gpu_rows(iters: int, triton_sweep: dict, budget_s: float, on_row) -> list[di
             emit(row)
             torch.cuda.empty_cache()
         triton_share(rows, shape)
-        del hidden, weight, ids, logprobs, labels, zeros, candidates
+        del hidden, weight, ids, logprobs, labels, zeros, top1, preset_weights, candidates
         torch.cuda.empty_cache()
     return rows
 
@@ -302,10 +311,10 @@ def fmt(value, spec):
 
 
 def print_cpu_table(rows: list[dict]) -> None:
-    print(f"{'impl':<8} {'N,H,V,k':<22} {'median ms':>10} {'TFLOP/s':>8} {'peak extra MiB':>15} "
+    print(f"{'impl':<9} {'N,H,V,k':<22} {'median ms':>10} {'TFLOP/s':>8} {'peak extra MiB':>15} "
           f"{'time/naive':>10} {'mem/naive':>10}")
     for r in rows:
-        print(f"{r['impl']:<8} {','.join(map(str, r['shape'])):<22} {r['median_ms']:>10.0f} "
+        print(f"{r['impl']:<9} {','.join(map(str, r['shape'])):<22} {r['median_ms']:>10.0f} "
               f"{r['tflops']:>8.3f} {r['peak_extra_mib']:>15.0f} {r['time_vs_naive']:>10.2f} "
               f"{r['memory_vs_naive']:>10.3f}")
 
@@ -332,10 +341,11 @@ def main() -> None:
                         help="GPU: skip the remaining candidates once this many seconds have passed")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--memory-child", choices=["naive", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--divergence", choices=["kl", "tv"], default="kl", help=argparse.SUPPRESS)
     parser.add_argument("--shape", type=int, nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(args.memory_child, tuple(args.shape))
+        memory_child(args.memory_child, args.divergence, tuple(args.shape))
         return
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

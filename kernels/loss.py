@@ -26,6 +26,7 @@ from .reference import (
 
 IMPLS = ("auto", "triton", "torch", "naive")
 TAILS = ("bucket", "renorm")
+DIVERGENCES = ("kl", "tv")
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -39,6 +40,7 @@ def sparse_kl_loss(
     weights: torch.Tensor | None = None,
     *,
     tail: str = "bucket",
+    divergence: str = "kl",
     impl: str = "auto",
     reduction: str = "mean",
     ce_targets: torch.Tensor | None = None,
@@ -60,6 +62,7 @@ def sparse_kl_loss(
     weights: torch.Tensor | None = None,
     *,
     tail: str = "bucket",
+    divergence: str = "kl",
     impl: str = "auto",
     reduction: str = "mean",
     ce_targets: torch.Tensor | None = None,
@@ -80,6 +83,7 @@ def sparse_kl_loss(
     weights: torch.Tensor | None = None,  # [N] float >= 0: per-row weight; None = ones
     *,
     tail: str = "bucket",
+    divergence: str = "kl",
     impl: str = "auto",
     reduction: str = "mean",
     ce_targets: torch.Tensor | None = None,  # [N] integer: hard labels for the CE term
@@ -90,11 +94,15 @@ def sparse_kl_loss(
     triton_config=None,
     weight_grad_from: int = 0,  # the first column of weight that gets a gradient
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sparse KL of the student softmax(hidden @ weight.T) to the teacher's top-k (+ tail).
+    """Sparse KL (or TV) of the student softmax(hidden @ weight.T) to the teacher's top-k (+ tail).
 
     Row loss: tail="bucket" treats the teacher's tail mass as one extra class against the
-    student's mass outside the ids; tail="renorm" renormalises both over the ids. With
-    ce_weight != 0, `ce_weight * cross_entropy(logits, ce_targets)` is added to each row.
+    student's mass outside the ids; tail="renorm" renormalises both over the ids.
+    divergence="kl" is KL(teacher || student); divergence="tv" (tail="bucket" only) the total
+    variation 0.5 * (sum_ids |p_i - q_i| + |p_tail - q_tail|), a lower bound of the
+    full-vocabulary TV, equal to it when the two tails are proportional (reference.py: the
+    bound, the gradient, sign(0) = 0). With ce_weight != 0,
+    `ce_weight * cross_entropy(logits, ce_targets)` is added to each row.
     reduction="mean" returns sum(w * row) / sum(w) (0 when all weights are 0), "sum" returns
     sum(w * row), "none" the [N] rows w * row (rows of weight 0 are exactly 0 and get zero
     gradient whatever their teacher values). Ids must lie in [0, V).
@@ -107,7 +115,9 @@ def sparse_kl_loss(
     "sum"; CUDA, or
     CPU tensors under TRITON_INTERPRET=1); "auto" is triton for CUDA
     tensors, torch otherwise. tail="renorm" without CE or argmax has no vocabulary work at
-    all and takes the torch path's N*k'*H gather whatever impl says.
+    all and takes the torch path's N*k'*H gather whatever impl says. divergence="tv" runs the
+    same passes as "kl" (the same gradient form, one more mode of the Triton row kernel): the
+    same extra memory, nothing more.
 
     weight_grad_from c: when weight requires grad, only its columns c: get one; the columns
     before c are frozen (their gradient is 0). DSpark's head [W_head; markov_w2] trains its
@@ -121,7 +131,8 @@ def sparse_kl_loss(
     found in the same vocabulary pass (first index among exact ties).
     """
     _check_inputs(hidden, weight, topk_ids, topk_logprobs, weights, ce_targets, tail_mass)
-    _check_options(tail=tail, reduction=reduction, impl=impl, ce_weight=ce_weight, ce_targets=ce_targets)
+    _check_options(tail=tail, divergence=divergence, reduction=reduction, impl=impl, ce_weight=ce_weight,
+                   ce_targets=ce_targets)
     if not 0 <= weight_grad_from <= hidden.shape[1]:
         raise ValueError(f"sparse_kl_loss: weight_grad_from={weight_grad_from} must lie in [0, {hidden.shape[1]}] "
                          "(a column of weight)")
@@ -158,16 +169,16 @@ def sparse_kl_loss(
         # scaled by each row's weight, in hidden's dtype (sparse_kl.py, "Workspace").
         denominator = w.sum().clamp(min=torch.finfo(torch.float32).tiny) if reduction == "mean" else w.new_ones(())
         loss, argmax = _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, torch.where(live, w, 0.0),
-                                       denominator, tail=tail, ce_weight=ce_weight, workspace_bytes=workspace_bytes,
-                                       config=triton_config)
+                                       denominator, tail=tail, divergence=divergence, ce_weight=ce_weight,
+                                       workspace_bytes=workspace_bytes, config=triton_config)
         return (loss, argmax) if return_argmax else loss
     if impl == "triton":
-        rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
-                                    workspace_bytes=workspace_bytes, config=triton_config)
+        rows, argmax = _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, divergence=divergence,
+                                    ce_weight=ce_weight, workspace_bytes=workspace_bytes, config=triton_config)
     else:
-        rows, argmax = _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, ce_weight=ce_weight,
-                                   naive=impl == "naive", vocab_pass=vocab_pass, workspace_bytes=workspace_bytes,
-                                   weight_grad_from=weight_grad_from)
+        rows, argmax = _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, tail=tail, divergence=divergence,
+                                   ce_weight=ce_weight, naive=impl == "naive", vocab_pass=vocab_pass,
+                                   workspace_bytes=workspace_bytes, weight_grad_from=weight_grad_from)
     rows = torch.where(live, w * rows, 0.0)  # [N] fp32
     if reduction == "none":
         loss = rows
@@ -194,9 +205,14 @@ class _FrozenColumns(torch.autograd.Function):
         return torch.cat([grad.new_zeros(grad.shape[0], ctx.c), grad[:, ctx.c:]], 1), None
 
 
-def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce_targets) -> None:
+def _check_options(*, tail: str, divergence: str, reduction: str, impl: str, ce_weight: float, ce_targets) -> None:
     if tail not in TAILS:
         raise ValueError(f"sparse_kl_loss: tail={tail!r}; use one of {TAILS}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"sparse_kl_loss: divergence={divergence!r}; use one of {DIVERGENCES}")
+    if divergence == "tv" and tail != "bucket":
+        raise ValueError("sparse_kl_loss: divergence='tv' needs tail='bucket' (a TV renormalised over the ids "
+                         "drops the student's mass outside them, which acceptance pays for)")
     if reduction not in REDUCTIONS:
         raise ValueError(f"sparse_kl_loss: reduction={reduction!r}; use one of {REDUCTIONS}")
     if impl not in IMPLS:
@@ -205,7 +221,7 @@ def _check_options(*, tail: str, reduction: str, impl: str, ce_weight: float, ce
         raise ValueError("sparse_kl_loss: ce_weight != 0 needs ce_targets ([N] integer labels)")
 
 
-def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, naive, vocab_pass,
+def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, divergence, ce_weight, naive, vocab_pass,
                 workspace_bytes, weight_grad_from):
     """The naive or chunked torch impl's [N] row losses and [N] argmax (kernels/reference.py)."""
     if naive:
@@ -215,14 +231,17 @@ def _torch_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weigh
             hidden, weight, ids, vocab_pass=vocab_pass, dense_grad=tail == "bucket" or ce_weight != 0.0,
             workspace_bytes=workspace_bytes, weight_grad_from=weight_grad_from,
         )
-    return row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass), argmax
+    rows = row_losses(lse, z_sel, topk_logprobs, tail=tail, ce_weight=ce_weight, tail_mass=tail_mass,
+                      divergence=divergence)
+    return rows, argmax
 
 
-def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, ce_weight, workspace_bytes, config):
+def _triton_rows(hidden, weight, ids, topk_logprobs, tail_mass, *, tail, divergence, ce_weight, workspace_bytes,
+                 config):
     """The triton impl's [N] row losses and [N] argmax (kernels/sparse_kl.py)."""
     lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
     return _sparse_kl_module().triton_sparse_kl_rows(
-        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, ce_weight=ce_weight,
+        hidden, weight, ids, lq, teacher_tail(lq, tail_mass), tail=tail, divergence=divergence, ce_weight=ce_weight,
         workspace_bytes=workspace_bytes, config=config,
     )
 
@@ -235,13 +254,13 @@ def _stores_dx(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
             and hidden.dtype in (torch.bfloat16, torch.float32))
 
 
-def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, ce_weight,
-                    workspace_bytes, config):
+def _triton_reduced(hidden, weight, ids, topk_logprobs, tail_mass, row_weight, denominator, *, tail, divergence,
+                    ce_weight, workspace_bytes, config):
     """The triton impl's reduced loss and [N] argmax (kernels/sparse_kl.py, frozen head)."""
     lq = teacher_logprobs(topk_logprobs)  # [N, k] fp32
     return _sparse_kl_module().triton_sparse_kl_loss(
         hidden, weight, ids, lq, teacher_tail(lq, tail_mass), row_weight, denominator, tail=tail,
-        ce_weight=ce_weight, workspace_bytes=workspace_bytes, config=config,
+        divergence=divergence, ce_weight=ce_weight, workspace_bytes=workspace_bytes, config=config,
     )
 
 

@@ -8,6 +8,7 @@ more slot when ce_weight != 0):
     bucket:  row = sum_S q (lq - lp_S) + q_t log q_t - q_t log(1 - P_S)
              lp = z - lse(z), P_S = sum_S exp(lp_S), q_t the teacher's tail mass
     renorm:  row = KL(q_hat || p_hat), both renormalised over S
+    TV:      row = 0.5 (sum_S |p_S - q| + |p_t - q_t|), p_t = 1 - P_S (divergence="tv", bucket only)
     CE:      row += ce_weight * (lse(z) - z_target)
 
 Its gradient in the logits is one dense term plus k' sparse ones:
@@ -16,12 +17,16 @@ Its gradient in the logits is one dense term plus k' sparse ones:
     bucket:  a = q_t / (1 - P_S) (0 where 1 - P_S is clamped at TAIL_EPS),
              d_lse = Q - a P_S (Q = sum_S q), d_slot_i = a p_i - q_i
     renorm:  d_lse = 0, d_slot_i = p_hat_i * sum q_hat - q_hat_i
+    TV:      c_i = (s_i - s_t) p_i with s_i = 0.5 sign(p_i - q_i), s_t = 0.5 sign(p_t - q_t)
+             (sign(0) = 0), d_lse = -sum_S c, d_slot_i = c_i
     CE:      d_lse += ce_weight, d_slot_target = -ce_weight
 
 The bucket form is derived line by line in `reference.py`'s module docstring: from
 d log p_i / d z_j = [i = j] - p_j and d log(1 - P_S) / d z_j = -p_j ([j in S] - P_S) / (1 - P_S)
 follows dL/dz_j = p_j (Q - a P_S) + [j in S] (a p_j - q_j), which is p_j - q_j at the ids
-when Q + q_t = 1 (then Q - a P_S + a = 1).
+when Q + q_t = 1 (then Q - a P_S + a = 1). The TV form, its bound and its sign(0) are derived
+there too. TV is one more mode of the same kernel (the constexpr TV): only the slot step
+differs, so its flops, traffic, workspace and determinism are the KL's below, to the byte.
 
 How (one chunk of C rows at a time, C = workspace_bytes // (4 V), balanced over N):
 
@@ -122,7 +127,7 @@ def _one_row(
     z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
     ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
     lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
-    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET)
+    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET or TV)
     scale_ptr,  # [C] fp32: factor on G (read when HAS_SCALE)
     row_ptr,  # [C] fp32 out: the row loss
     arg_ptr,  # [C] int64 out: first index of the row's max logit
@@ -135,6 +140,7 @@ def _one_row(
     ce_weight,
     tail_eps,
     TAIL_BUCKET: tl.constexpr,
+    TV: tl.constexpr,  # total variation instead of KL (with TAIL_BUCKET)
     USE_CE: tl.constexpr,
     WRITE_G: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -172,7 +178,16 @@ def _one_row(
     zs = tl.load(z_row + ids, mask=valid, other=0.0)  # [K_PAD] fp32
     lq = tl.load(lq_ptr + row * KT + slots, mask=teacher, other=0.0)  # [K_PAD] fp32
     p = tl.where(valid, tl.exp(zs - lse), 0.0)  # student probabilities at the ids
-    if TAIL_BUCKET:
+    if TV:
+        q = tl.where(teacher, tl.exp(lq), 0.0)
+        diff = tl.where(teacher, p - q, 0.0)
+        diff_t = 1.0 - tl.sum(tl.where(teacher, p, 0.0), 0) - tl.load(qtail_ptr + row)  # p_t - q_t, unclamped
+        half_sign = tl.where(diff > 0.0, 0.5, tl.where(diff < 0.0, -0.5, 0.0))  # sign(0) = 0
+        half_sign_t = tl.where(diff_t > 0.0, 0.5, tl.where(diff_t < 0.0, -0.5, 0.0))
+        loss = 0.5 * (tl.sum(tl.abs(diff), 0) + tl.abs(diff_t))
+        d_slot = tl.where(teacher, (half_sign - half_sign_t) * p, 0.0)
+        d_lse = -tl.sum(d_slot, 0)
+    elif TAIL_BUCKET:
         q = tl.where(teacher, tl.exp(lq), 0.0)
         q_t = tl.load(qtail_ptr + row)
         p_s = tl.sum(tl.where(teacher, p, 0.0), 0)
@@ -233,7 +248,7 @@ def _chunk_rows_kernel(
     z_ptr,  # [C, V] fp32 (row stride stride_z): the chunk's logits; G is written over them
     ids_ptr,  # [C, K] int64: the teacher's ids, then the CE target when USE_CE
     lq_ptr,  # [C, KT] fp32: teacher log-probs, floored (finite)
-    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET)
+    qtail_ptr,  # [C] fp32: teacher tail mass (read when TAIL_BUCKET or TV)
     scale_ptr,  # [C] fp32: factor on G (read when HAS_SCALE)
     row_ptr,  # [C] fp32 out: the row loss
     arg_ptr,  # [C] int64 out: first index of the row's max logit
@@ -247,6 +262,7 @@ def _chunk_rows_kernel(
     ce_weight,
     tail_eps,
     TAIL_BUCKET: tl.constexpr,
+    TV: tl.constexpr,  # total variation instead of KL (with TAIL_BUCKET)
     USE_CE: tl.constexpr,
     WRITE_G: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -262,7 +278,7 @@ def _chunk_rows_kernel(
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         _one_row(
             row, z_ptr, ids_ptr, lq_ptr, qtail_ptr, scale_ptr, row_ptr, arg_ptr, coef_ptr, V, K, KT,
-            stride_z, stride_g, ce_weight, tail_eps, TAIL_BUCKET, USE_CE, WRITE_G, HAS_SCALE, G_DTYPE,
+            stride_z, stride_g, ce_weight, tail_eps, TAIL_BUCKET, TV, USE_CE, WRITE_G, HAS_SCALE, G_DTYPE,
             ROUND_BY_BITS, K_PAD, BLOCK_V,
         )
 
@@ -325,7 +341,8 @@ class _TritonSparseKL(torch.autograd.Function):
     """Rows of the loss [N] fp32 and the argmax [N] int64; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config, grad_x, grad_w):
+    def forward(ctx, hidden, weight, ids, lq, q_tail, tail, divergence, ce_weight, workspace_bytes, config, grad_x,
+                grad_w):
         # hidden [N, H], weight [V, H] (same dtype, contiguous), ids [N, k'] int64, lq [N, k]
         # fp32 floored, q_tail [N] fp32; grad_x / grad_w: whether X / W need a gradient.
         n, h = hidden.shape
@@ -337,7 +354,7 @@ class _TritonSparseKL(torch.autograd.Function):
         argmax = torch.empty(n, dtype=torch.int64, device=dev)  # [N]
         coef = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
         dx = torch.empty(n, h, dtype=torch.float32, device=dev) if store_dx and dense else None  # [N, H]
-        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config)
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, divergence, ce_weight, workspace_bytes, config)
         for r0, r1, z in launch.chunks():
             g = launch.rows_kernel(z, r0, r1, rows[r0:r1], argmax[r0:r1], coef[r0:r1],
                                    write_g=dx is not None, scale=None)
@@ -348,7 +365,7 @@ class _TritonSparseKL(torch.autograd.Function):
             dx = sparse_rows_f32(coef, ids, weight, workspace_bytes)  # [N, H] fp32
         ctx.store_dx = store_dx
         ctx.hidden_dtype = hidden.dtype
-        ctx.launch_args = (tail, ce_weight, workspace_bytes, config)
+        ctx.launch_args = (tail, divergence, ce_weight, workspace_bytes, config)
         if store_dx:
             ctx.save_for_backward(dx)
         elif grad_w:
@@ -359,7 +376,7 @@ class _TritonSparseKL(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_rows, _d_argmax):
-        nones = (None,) * 9
+        nones = (None,) * 10
         if d_rows is None:
             return None, None, *nones
         d_rows = d_rows.float()
@@ -406,8 +423,8 @@ class _TritonSparseKLReduced(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, lq, q_tail, row_weight, denominator, tail, ce_weight, workspace_bytes,
-                config):
+    def forward(ctx, hidden, weight, ids, lq, q_tail, row_weight, denominator, tail, divergence, ce_weight,
+                workspace_bytes, config):
         # row_weight [N] fp32 (0 on dead rows), denominator: 0-dim fp32 (sum w, or 1 for "sum").
         n, h = hidden.shape
         dev = hidden.device
@@ -418,7 +435,7 @@ class _TritonSparseKLReduced(torch.autograd.Function):
         rows = torch.empty(n, dtype=torch.float32, device=dev)  # [N]
         argmax = torch.empty(n, dtype=torch.int64, device=dev)  # [N]
         coef = torch.empty(ids.shape, dtype=torch.float32, device=dev)  # [N, k']
-        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config)
+        launch = _ChunkLauncher(hidden, weight, ids, lq, q_tail, tail, divergence, ce_weight, workspace_bytes, config)
         if dense:
             dx = torch.empty(n, h, dtype=hidden.dtype, device=dev)  # [N, H] in X's dtype
             # fp32 GEMM output per chunk, then one rounding into dx (a bf16-output GEMM could
@@ -456,9 +473,10 @@ class _ChunkLauncher:
     """The per-chunk steps shared by the forward and the dW backward: the logits GEMM into
     the workspace and the row kernel over it."""
 
-    def __init__(self, hidden, weight, ids, lq, q_tail, tail, ce_weight, workspace_bytes, config):
+    def __init__(self, hidden, weight, ids, lq, q_tail, tail, divergence, ce_weight, workspace_bytes, config):
         self.hidden, self.ids, self.lq, self.q_tail = hidden, ids, lq, q_tail
         self.tail_bucket = tail == "bucket"
+        self.tv = divergence == "tv"
         self.ce_weight = float(ce_weight)
         self.config = config
         self.w_mm = _weight_for_matmul(weight)  # [V, H]
@@ -486,7 +504,7 @@ class _ChunkLauncher:
             z, self.ids[r0:r1], self.lq[r0:r1], self.q_tail[r0:r1],
             scale if scale is not None else rows, rows, argmax, coef,
             c, v, k, self.lq.shape[1], z.stride(0), z.stride(0) * 4 // self.g_dtype.itemsize, self.ce_weight, TAIL_EPS,
-            TAIL_BUCKET=self.tail_bucket, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
+            TAIL_BUCKET=self.tail_bucket, TV=self.tv, USE_CE=self.ce_weight != 0.0, WRITE_G=write_g,
             HAS_SCALE=scale is not None, G_DTYPE=_TL_DTYPES[self.g_dtype],
             ROUND_BY_BITS=INTERPRETED and self.g_dtype == torch.bfloat16,
             K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_V=self.config.block_v,
@@ -505,6 +523,7 @@ def triton_sparse_kl_rows(
     q_tail: torch.Tensor,  # [N] fp32: teacher tail mass (`reference.teacher_tail`)
     *,
     tail: str,
+    divergence: str = "kl",
     ce_weight: float,
     workspace_bytes: int,
     config: TritonConfig | None = None,
@@ -524,7 +543,7 @@ def triton_sparse_kl_rows(
     grad_w = torch.is_grad_enabled() and weight.requires_grad
     return _TritonSparseKL.apply(
         hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
-        q_tail.float().contiguous(), tail, float(ce_weight), workspace_bytes, config, grad_x, grad_w,
+        q_tail.float().contiguous(), tail, divergence, float(ce_weight), workspace_bytes, config, grad_x, grad_w,
     )
 
 
@@ -538,6 +557,7 @@ def triton_sparse_kl_loss(
     denominator: torch.Tensor,  # 0-dim fp32: sum of the weights ("mean") or 1 ("sum")
     *,
     tail: str,
+    divergence: str = "kl",
     ce_weight: float,
     workspace_bytes: int,
     config: TritonConfig | None = None,
@@ -554,6 +574,6 @@ def triton_sparse_kl_loss(
         config = _INTERPRETER_CONFIG if INTERPRETED else TritonConfig()
     return _TritonSparseKLReduced.apply(
         hidden.contiguous(), weight.contiguous(), ids.long().contiguous(), lq.float().contiguous(),
-        q_tail.float().contiguous(), row_weight.float().contiguous(), denominator.float(), tail, float(ce_weight),
-        workspace_bytes, config,
+        q_tail.float().contiguous(), row_weight.float().contiguous(), denominator.float(), tail, divergence,
+        float(ce_weight), workspace_bytes, config,
     )

@@ -427,14 +427,17 @@ def make_problem(n, h, v, k, *, seed=0, dtype=torch.float32, logit_std=3.0):
 
 
 def truth(hidden, weight, ids, logprobs, weights=None, *, tail="bucket", reduction="mean",
-          ce_targets=None, ce_weight=0.0):
+          ce_targets=None, ce_weight=0.0, divergence="kl"):
     """float64 loss straight from the formula in kernels/sparse_kl.py's docstring (inputs are
     upcast exactly)."""
     logp = (hidden.double() @ weight.double().T).log_softmax(1)  # [N, V] f64
     lp = logp.gather(1, ids)  # [N, k]
     lq = logprobs.double()
     q = lq.exp()
-    if tail == "bucket":
+    if divergence == "tv":
+        p = lp.exp()  # [N, k]
+        row = 0.5 * ((p - q).abs().sum(1) + ((1 - p.sum(1)) - (1 - q.sum(1)).clamp(min=0)).abs())
+    elif tail == "bucket":
         q_tail = (1 - q.sum(1)).clamp(min=0)
         p_tail = 1 - lp.exp().sum(1)
         row = (q * (lq - lp)).sum(1) + torch.special.xlogy(q_tail, q_tail) - q_tail * p_tail.log()

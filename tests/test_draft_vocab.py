@@ -77,7 +77,7 @@ def distill(hidden, head, batch, config):
     return _distill(LossOperands(rows=hidden, head=head), _teacher(batch, head), config)
 
 
-@pytest.mark.parametrize("kind", ["kl", "ce", "kl+ce"])
+@pytest.mark.parametrize("kind", ["kl", "ce", "kl+ce", "tv", "tv+ce", "0.9tv+0.1ce"])
 def test_draft_vocab_loss_matches_a_materialised_reference(kind):
     generator = torch.Generator().manual_seed(1)
     V, H, k, N = 30, 5, 3, 40
@@ -101,9 +101,13 @@ def test_draft_vocab_loss_matches_a_materialised_reference(kind):
         tail_q = 1 - sum(qq for _, qq in inside)
         kl = sum(qq * (np.log(qq) - float(logp[n, r])) for r, qq in inside)
         kl += tail_q * (np.log(tail_q) - np.log(1 - p_in))
+        # TV: the fillers are classes of teacher mass 0 of their own, the rest is the tail.
+        tv = 0.5 * (sum(abs(float(logp[n, r].exp()) - qq) for r, qq in inside)
+                    + sum(float(logp[n, r].exp()) for r in fillers) + abs(1 - p_in - tail_q))
         best = max(inside, key=lambda item: item[1])[0]
         ce = -float(logp[n, best])
-        expected[n] = batch.weights[n] * {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce}[kind]
+        expected[n] = batch.weights[n] * {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce, "tv": tv, "tv+ce": tv + 0.5 * ce,
+                                          "0.9tv+0.1ce": 0.9 * tv + 0.1 * ce}[kind]
     torch.testing.assert_close(loss.double(), expected.sum(), rtol=1e-4, atol=1e-5)
     assert argmax.tolist() == [ids[r] for r in logp.argmax(1).tolist()]  # in token ids
 

@@ -17,7 +17,7 @@ def test_lr_schedule(step, expected):
     assert lr_at(step, 100, 0.04, 6e-4) == pytest.approx(expected, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["kl", "ce", "kl+ce"])
+@pytest.mark.parametrize("kind", ["kl", "ce", "kl+ce", "tv", "tv+ce", "0.9tv+0.1ce"])
 def test_loss_matches_materialised_reference(kind, seed):
     from types import SimpleNamespace
 
@@ -40,6 +40,8 @@ def test_loss_matches_materialised_reference(kind, seed):
     kl = (qd * (qd.log() - logp.gather(1, topk_ids))).sum(1) + tail_q * (tail_q.log() - (1 - p_sel.sum(1)).log())
     top1 = topk_ids.gather(1, q.argmax(1, keepdim=True))[:, 0]
     ce = -logp.gather(1, top1[:, None])[:, 0]
-    rows = {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce}[kind]
+    tv = 0.5 * ((p_sel - qd).abs().sum(1) + ((1 - p_sel.sum(1)) - tail_q).abs())
+    rows = {"kl": kl, "ce": ce, "kl+ce": kl + 0.5 * ce, "tv": tv, "tv+ce": tv + 0.5 * ce,
+            "0.9tv+0.1ce": 0.9 * tv + 0.1 * ce}[kind]
     torch.testing.assert_close(loss.double(), (batch.weights.double() * rows).sum(), rtol=1e-4, atol=1e-5)
     assert torch.equal(argmax, logp.argmax(1))

@@ -26,10 +26,13 @@ def test_gpu_kernel_check_runs_on_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     report = run_check(["--device", "cpu", "--quick", "--budget-s", "600"], env, 900)
     names = [c["check"] for c in report["checks"]]
-    assert report["failed"] == [] and len(names) == 15, names
+    assert report["failed"] == [] and len(names) == 23, names
     assert names[0] == "bf16 triton loss vs fp32 reference (relative)"
+    assert sum(name.startswith(("tv:", "0.9tv+0.1ce:")) for name in names) == 8
     timed = [r for r in report["rows"] if "median_ms" in r]
-    assert {r["impl"] for r in timed} >= {"triton (defaults)", "triton[programs_per_sm 2]", "triton k=1"}
+    assert {r["impl"] for r in timed} >= {"triton (defaults)", "triton[programs_per_sm 2]", "triton k=1",
+                                          "triton tv", "triton 0.9tv+0.1ce"}
+    assert "tv_time_vs_kl_8b" in report["goals"]
     assert all(0 <= r["triton_share"] <= 1 for r in timed if "triton_share" in r)
     assert set(report["goals"]) >= {"time_vs_before_8b", "triton_share_smollm2_defaults", "fastest_smollm2"}
 

@@ -81,7 +81,7 @@ def test_weight_gradient(impl, tail):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("workspace_rows", [16, 64], ids=["chunked", "one-chunk"])  # N = 37: 3 chunks, or 1 (kept)
-@pytest.mark.parametrize("loss", ["bucket", "kl+ce", "renorm"])
+@pytest.mark.parametrize("loss", ["bucket", "kl+ce", "renorm", "tv", "tv+ce"])
 def test_weight_gradient_from_a_column(impl, workspace_rows, loss):
     """weight_grad_from c: dW of columns c: and dX against autograd of the fp64 formula, whose
     columns before c are a frozen constant (DSpark's [W_head; markov_w2]); those get exactly 0."""
@@ -93,7 +93,8 @@ def test_weight_gradient_from_a_column(impl, workspace_rows, loss):
     weights[::5] = 0.0
     targets = torch.randint(0, v, (n,), generator=g)
     tail = "renorm" if loss == "renorm" else "bucket"
-    ce = dict(ce_targets=targets, ce_weight=0.5) if loss == "kl+ce" else {}
+    ce = dict(ce_targets=targets, ce_weight=0.5) if loss.endswith("+ce") else {}
+    ce["divergence"] = "tv" if loss.startswith("tv") else "kl"
 
     def frozen_front(w):  # the plain formula's frozen columns: a constant, no gradient
         return torch.cat([w[:, :c].detach(), w[:, c:]], 1)
@@ -295,6 +296,8 @@ def test_no_grad_forward(impl):
         (dict(topk_logprobs=torch.zeros(4, 3)), "topk_logprobs must be"),
         (dict(weights=torch.ones(5)), "weights must be"),
         (dict(tail="other"), "tail="),
+        (dict(divergence="js"), "divergence="),
+        (dict(divergence="tv", tail="renorm"), "divergence='tv' needs tail='bucket'"),
         (dict(impl="cuda"), "impl="),
         (dict(reduction="avg"), "reduction="),
         (dict(ce_weight=0.5), "needs ce_targets"),
@@ -308,6 +311,160 @@ def test_input_errors(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         sparse_kl_loss(**args)
+
+
+# ----------------------------------------------------------------------- divergence="tv"
+# TV against the top-k + tail bucket (kernels/reference.py, "The total variation"): every impl
+# against the fp64 truth, whose gradient is autograd's through abs (sign(0) = 0, as ours).
+# A sign that flips between fp32 and fp64 (|p_i - q_i| below ~1e-7) would cost a gradient error
+# of ~p_i; none does on these draws, so the fp32 tolerance is FP32_TOL as for the KL.
+
+CE_TERMS = {"tv": 0.0, "tv+ce": 0.3}
+# Beside the kernel tests' shapes, Liger's odd one (41 x 401 x 1271): a wider H, V in ten
+# tiles of 128 (the last partial), N in three chunks of the 16-row workspace.
+TV_SHAPES = {**SHAPES, "liger": (41, 401, 1271, 9)}
+
+
+def tv_problem(n, h, v, k, *, seed, dtype=torch.float32):
+    """make_problem plus row weights (a fifth of them 0) and CE targets (every other one among
+    the teacher's ids, so that an id sits in two slots)."""
+    hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(n, generator=g) + 0.5
+    weights[::5] = 0.0
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::2] = ids[::2, 0]
+    return hidden, weight, ids, logprobs, weights, targets
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", TV_SHAPES)
+@pytest.mark.parametrize("loss", CE_TERMS)
+@pytest.mark.parametrize("grad_weight", [False, True], ids=["dx", "dx-dw"])
+def test_tv_matches_fp64_truth(impl, shape, loss, grad_weight):
+    """Loss, dX and dW (the Triton path: dX stored in the forward, or the dW recompute)."""
+    n, h, v, k = TV_SHAPES[shape]
+    hidden, weight, ids, logprobs, weights, targets = tv_problem(n, h, v, k, seed=31)
+    kw = dict(divergence="tv", ce_targets=targets, ce_weight=CE_TERMS[loss])
+    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), hidden, weight,
+                                         grad_weight=grad_weight)
+    out, dx, dw = loss_and_grads(
+        lambda x, w: sparse_kl_loss(x, w, ids, logprobs, weights, **kw, **impl_kwargs(impl, v)), hidden, weight,
+        grad_weight=grad_weight)
+    assert 0.1 < ref.item()  # a live loss: the student is far from the teacher
+    assert abs(out.item() - ref.item()) <= FP32_TOL * abs(ref.item())
+    assert rel_err(dx, ref_dx) <= FP32_TOL
+    assert torch.equal(dx[::5], torch.zeros_like(dx[::5]))
+    if grad_weight:
+        assert rel_err(dw, ref_dw) <= FP32_TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("loss", CE_TERMS)
+def test_tv_reduction_none_with_partly_zero_grad_output(impl, loss):
+    n, h, v, k = SHAPES["round"]
+    hidden, weight, ids, logprobs, _, targets = tv_problem(n, h, v, k, seed=32)
+    weights, grad_output, _ = row_weights_and_grads(n, torch.Generator().manual_seed(32))
+    kw = dict(divergence="tv", reduction="none", ce_targets=targets, ce_weight=CE_TERMS[loss])
+    ref, ref_dx, ref_dw = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), hidden, weight,
+                                         grad_weight=True, grad_output=grad_output.double())
+    out, dx, dw = loss_and_grads(
+        lambda x, w: sparse_kl_loss(x, w, ids, logprobs, weights, **kw, **impl_kwargs(impl, v)), hidden, weight,
+        grad_weight=True, grad_output=grad_output)
+    assert out.shape == (n,)
+    assert rel_err(out, ref) <= FP32_TOL
+    assert torch.equal(dx[::4], torch.zeros_like(dx[::4]))
+    assert rel_err(dx, ref_dx) <= FP32_TOL
+    assert rel_err(dw, ref_dw) <= FP32_TOL
+
+
+@pytest.mark.parametrize("impl", ["torch", TRITON])
+@pytest.mark.parametrize("loss", CE_TERMS)
+def test_tv_bf16_no_worse_than_bf16_reference(impl, loss):
+    """The numerics rule of test_bf16_no_worse_than_bf16_reference, for TV (+ CE) with row
+    weights, the training call's reduction "sum"."""
+    n, h, v, k = SHAPES["round"]
+    hidden, weight, ids, logprobs, weights, targets = tv_problem(n, h, v, k, seed=33, dtype=torch.bfloat16)
+    kw = dict(divergence="tv", reduction="sum", ce_targets=targets, ce_weight=CE_TERMS[loss])
+    tol = 2.0**-9
+    ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), hidden, weight)
+    base, base_dx, _ = loss_and_grads(
+        lambda x, w: sparse_kl_loss(x, w, ids, logprobs, weights, impl="naive", **kw), hidden, weight)
+    out, dx, _ = loss_and_grads(
+        lambda x, w: sparse_kl_loss(x, w, ids, logprobs, weights, **kw, **impl_kwargs(impl, v)), hidden, weight)
+    assert dx.dtype == torch.bfloat16
+    assert abs(out.item() - ref.item()) <= abs(base.item() - ref.item()) + tol * abs(ref.item())
+    assert rel_err(dx, ref_dx) <= rel_err(base_dx, ref_dx) + tol
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_weight", [False, True], ids=["dx", "dx-dw"])
+def test_tv_is_deterministic(impl, dtype, grad_weight):
+    """Two runs give the same bits: loss, argmax, dX and dW (no atomics, fixed chunk order)."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, ids, logprobs, weights, targets = tv_problem(n, h, v, k, seed=34, dtype=dtype)
+
+    def run():
+        x = hidden.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(grad_weight)
+        loss, argmax = sparse_kl_loss(x, w, ids, logprobs, weights, divergence="tv", ce_targets=targets,
+                                      ce_weight=0.1, reduction="sum", return_argmax=True, **impl_kwargs(impl, v))
+        loss.backward()
+        return loss.detach(), argmax, x.grad, w.grad
+
+    for first, second in zip(run(), run()):
+        assert (first is None and second is None) or torch.equal(first, second)
+
+
+@pytest.mark.parametrize("proportional", [True, False], ids=["proportional-tails", "any-tails"])
+def test_tv_bounds_the_full_vocabulary_tv(proportional):
+    """Against a teacher known over the whole vocabulary: the top-k + tail TV is at most the
+    full TV, per row, and equal when the teacher's tail is the student's, rescaled."""
+    n, h, v, k = SHAPES["odd"]
+    hidden, weight, _, _ = make_problem(n, h, v, k, seed=35)
+    g = torch.Generator().manual_seed(35)
+    p = (hidden.double() @ weight.double().T).softmax(1)  # [N, V] the student
+    r = torch.softmax(torch.randn(n, v, generator=g, dtype=torch.float64) * 2, 1)  # [N, V] the teacher
+    ids = r.topk(k, 1).indices  # [N, k]
+    in_s = torch.zeros(n, v, dtype=torch.bool).scatter_(1, ids, True)
+    if proportional:  # the teacher's tail mass spread as the student's
+        tail = 1 - r.gather(1, ids).sum(1, keepdim=True)
+        r = torch.where(in_s, r, p * tail / p.masked_fill(in_s, 0).sum(1, keepdim=True))
+    full = 0.5 * (p - r).abs().sum(1)  # [N]
+    rows = sparse_kl_loss(hidden.double(), weight.double(), ids, r.gather(1, ids).log(), divergence="tv",
+                          reduction="none", impl="torch")
+    # The rows are fp32 (float64 inputs give fp32 row losses): 1e-6 absolute on values < 1.
+    if proportional:
+        torch.testing.assert_close(rows.double(), full, rtol=0, atol=1e-6)
+    else:
+        assert (rows <= full + 1e-6).all() and (rows < full - 1e-2).any()
+
+
+def test_tv_sign_of_zero_is_zero():
+    """row_losses at p = q on every slot and the tail (the same fp32 values): the loss is 0 and
+    so is its gradient in (lse, z_sel), sign(0) = 0. One slot moved up (s = 0.5 there, 0 on
+    the other slots, s_t = -0.5: the tail is now short) gives c = p on it and 0.5 p on the
+    others: d_zsel = c, d_lse = -sum c."""
+    from dflash.kernels.reference import row_losses
+
+    z_sel = torch.log_softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(36)), 1) - 0.5  # [3, 5]
+    lse = torch.zeros(3, requires_grad=True)
+    tail = 1.0 - z_sel.exp().sum(1)  # [3] fp32, the student's tail to the bit
+    for bump in (0.0, 1e-3):
+        z = z_sel.clone()
+        z[:, 0] += bump
+        z.requires_grad_(True)
+        row = row_losses(lse, z, z_sel, tail="bucket", tail_mass=tail, divergence="tv")
+        d_lse, d_z = torch.autograd.grad(row.sum(), [lse, z])
+        if bump == 0.0:
+            assert torch.equal(row, torch.zeros(3)) and torch.equal(d_z, torch.zeros_like(d_z))
+            assert torch.equal(d_lse, torch.zeros(3))
+        else:
+            p = z.detach().exp()  # [3, 5]
+            c = torch.cat([p[:, :1], 0.5 * p[:, 1:]], 1)
+            torch.testing.assert_close(d_z, c)
+            torch.testing.assert_close(d_lse, -c.sum(1))
 
 
 @pytest.mark.e2e  # a subprocess

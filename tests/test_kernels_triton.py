@@ -3,7 +3,7 @@
 The shared numerical tests live in test_kernels.py (parametrised over every impl), the
 problems and the ground truth in dflash.testing.builders; here:
 tile sizes and chunkings, each mode of the Triton path (stored dX, sparse dX for renorm,
-dW recompute, forward only) with a non-unit grad_output, argmax ties, config validation,
+dW recompute, forward only; KL and TV) with a non-unit grad_output, argmax ties, config validation,
 the error on CPU tensors without the interpreter, and a compile of the kernel for a Hopper
 GPU (the interpreter never compiles it).
 """
@@ -61,16 +61,18 @@ def test_tiles_and_chunks(config, workspace_rows):
 # sparse sum for renorm without CE), "w" and "xw" recompute each chunk in the backward
 # with G scaled by the upstream row gradients.
 @pytest.mark.parametrize("grads", ["x", "w", "xw"])
-@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("renorm", 0.0), ("renorm", 0.5)])
+@pytest.mark.parametrize("tail, ce_weight, divergence", [("bucket", 0.0, "kl"), ("renorm", 0.0, "kl"),
+                                                         ("renorm", 0.5, "kl"), ("bucket", 0.0, "tv"),
+                                                         ("bucket", 0.5, "tv")])
 @pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
-def test_modes_with_row_gradients(grads, tail, ce_weight):
+def test_modes_with_row_gradients(grads, tail, ce_weight, divergence):
     """reduction="none" with a partly zero grad_output, row weights and return_argmax (so
     that renorm runs the kernel), against the fp64 truth."""
     n, h, v, k = SHAPES["odd"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=13)
     weights, grad_output, g = row_weights_and_grads(n, torch.Generator().manual_seed(13))
     targets = torch.randint(0, v, (n,), generator=g)
-    kw = dict(tail=tail, reduction="none", ce_targets=targets, ce_weight=ce_weight)
+    kw = dict(tail=tail, reduction="none", ce_targets=targets, ce_weight=ce_weight, divergence=divergence)
 
     def run(fn, grad_output):
         x = hidden.detach().clone().requires_grad_("x" in grads)
@@ -98,10 +100,12 @@ def test_modes_with_row_gradients(grads, tail, ce_weight):
 # a last one of 2), so chunk boundaries fall inside N; a third of the rows have weight 0 and
 # the upstream gradient is a non-unit scalar.
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("tail, ce_weight", [("bucket", 0.0), ("bucket", 0.5), ("renorm", 0.0), ("renorm", 0.5)])
+@pytest.mark.parametrize("tail, ce_weight, divergence", [("bucket", 0.0, "kl"), ("bucket", 0.5, "kl"),
+                                                         ("renorm", 0.0, "kl"), ("renorm", 0.5, "kl"),
+                                                         ("bucket", 0.0, "tv"), ("bucket", 0.5, "tv")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.e2e  # the kernel in the CPU interpreter: seconds per case, outside the quick loop
-def test_reduced_path_chunks_weights_and_scalar_grad(reduction, tail, ce_weight, dtype):
+def test_reduced_path_chunks_weights_and_scalar_grad(reduction, tail, ce_weight, divergence, dtype):
     n, h, v, k = SHAPES["odd"]
     hidden, weight, ids, logprobs = make_problem(n, h, v, k, seed=21, dtype=dtype)
     g = torch.Generator().manual_seed(21)
@@ -109,7 +113,7 @@ def test_reduced_path_chunks_weights_and_scalar_grad(reduction, tail, ce_weight,
     dead = torch.arange(n) % 3 == 1
     weights[dead] = 0.0
     targets = torch.randint(0, v, (n,), generator=g)
-    kw = dict(tail=tail, reduction=reduction, ce_targets=targets, ce_weight=ce_weight)
+    kw = dict(tail=tail, reduction=reduction, ce_targets=targets, ce_weight=ce_weight, divergence=divergence)
     grad_output = torch.tensor(0.37)
     ref, ref_dx, _ = loss_and_grads(lambda x, w: truth(x, w, ids, logprobs, weights, **kw), hidden, weight,
                                     grad_output=grad_output.double())
@@ -243,8 +247,8 @@ def test_cpu_tensors_without_interpreter_raise():
 # Compiles the kernel to a cubin for sm_90 with the ptxas that ships in the triton wheel
 # (no GPU or driver needed): the code the GPU runs (the hardware bf16 cast, the barriers)
 # is never compiled by the interpreter. The variants: the DFlash case (bucket, bf16 G scaled
-# by the row weights), fp32 G with CE and a row scale (the dW recompute), and forward only
-# (renorm).
+# by the row weights), fp32 G with CE and a row scale (the dW recompute), forward only
+# (renorm), and TV + CE with bf16 G (DSpark's 0.9 TV + 0.1 CE in training).
 COMPILE_CODE = r"""
 import os, sys
 import triton, triton.language as tl
@@ -257,9 +261,10 @@ args = {"z_ptr": "*fp32", "ids_ptr": "*i64", "lq_ptr": "*fp32", "qtail_ptr": "*f
         "KT": "i32",
         "stride_z": "i32", "stride_g": "i32", "ce_weight": "fp32", "tail_eps": "fp32"}
 variants = [
-    dict(TAIL_BUCKET=True, USE_CE=False, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.bfloat16),
-    dict(TAIL_BUCKET=True, USE_CE=True, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.float32),
-    dict(TAIL_BUCKET=False, USE_CE=False, WRITE_G=False, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
+    dict(TAIL_BUCKET=True, TV=False, USE_CE=False, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.bfloat16),
+    dict(TAIL_BUCKET=True, TV=False, USE_CE=True, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.float32),
+    dict(TAIL_BUCKET=False, TV=False, USE_CE=False, WRITE_G=False, HAS_SCALE=False, G_DTYPE=tl.bfloat16),
+    dict(TAIL_BUCKET=True, TV=True, USE_CE=True, WRITE_G=True, HAS_SCALE=True, G_DTYPE=tl.bfloat16),
 ]
 for variant in variants:
     const = dict(variant, ROUND_BY_BITS=False, K_PAD=64, BLOCK_V=4096)
@@ -286,4 +291,4 @@ def test_compiles_for_hopper():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     done = subprocess.run([sys.executable, "-c", COMPILE_CODE], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 3" in done.stdout
+    assert "compiled 4" in done.stdout

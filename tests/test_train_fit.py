@@ -416,7 +416,7 @@ def test_cli_fit_with_config_file_and_flags(cache_dir, tmp_path):
     assert again.exit_code == 1 and again.output.startswith("Error: ") and "lr" in again.output
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl+ce"])
+@pytest.mark.parametrize("loss", ["ce", "kl+ce", "tv+ce"])
 def test_other_losses_and_bf16_compute(cache_dir, tmp_path, loss):
     result = fit(tiny_config(cache_dir, tmp_path / "run", loss=loss, dtype="bfloat16", max_steps=3))
     lines = read_lines(tmp_path / "run" / "metrics.jsonl")

@@ -182,11 +182,14 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class LossConfig:
-    loss: Literal["kl", "ce", "kl+ce"] = "kl+ce"
+    loss: Literal["kl", "ce", "kl+ce", "tv", "tv+ce", "0.9tv+0.1ce"] = "kl+ce"
     """kl: sparse KL to the cached top-k with a tail bucket; ce: cross-entropy to the target's
-    top-1; kl+ce: kl + ce_weight * ce (the default: bench/RESULTS.md "recipe")."""
+    top-1; kl+ce: kl + ce_weight * ce (the default: bench/RESULTS.md "recipe"); tv: total
+    variation to the top-k with a tail bucket (a lower bound of the full TV, one minus the
+    acceptance rate); tv+ce: tv + ce_weight * ce; 0.9tv+0.1ce: DSpark's loss (and speculators'
+    XPress), ce_weight ignored."""
     ce_weight: float = 0.5
-    """Weight of the cross-entropy term in kl+ce."""
+    """Weight of the cross-entropy term in kl+ce and tv+ce."""
     decay_gamma: float | None = field(default=None, metadata=AUTO)
     """Position weights exp(-(k-1)/gamma); auto: by block size (7 for 16, 5 for 10, 4 for 8)."""
 

@@ -622,19 +622,24 @@ def _teacher(batch, head: TargetHead) -> Teacher:
 
 def _distill(operands: drafters.LossOperands, teacher: Teacher,
              config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed weighted loss, argmax [N] in token ids): the fused sparse KL (and CE) of the
-    operands' logits against the teacher."""
+    """(summed weighted loss, argmax [N] in token ids): the fused sparse KL or TV (and CE) of
+    the operands' logits against the teacher."""
     rows, weight, frozen = operands.rows, operands.head.lm_head, operands.frozen_columns
     ids, logprobs, top1, weights = teacher.ids, teacher.logprobs, teacher.top1, teacher.weights
     if config.loss == "ce":
         # k = 1 with log-prob 0 on the target's top-1: the tail bucket is empty, the row is CE.
         loss, argmax = sparse_kl_loss(rows, weight, top1[:, None], torch.zeros_like(logprobs[:, :1]), weights,
                                       tail="bucket", reduction="sum", return_argmax=True, weight_grad_from=frozen)
-    else:
-        ce_weight = config.ce_weight if config.loss == "kl+ce" else 0.0
-        loss, argmax = sparse_kl_loss(rows, weight, ids, logprobs, weights, tail="bucket", reduction="sum",
-                                      ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
-                                      return_argmax=True, weight_grad_from=frozen)
+        return loss, operands.head.to_target(argmax)
+    ce_weight = config.ce_weight if config.loss in ("kl+ce", "tv+ce") else 0.0
+    if config.loss == "0.9tv+0.1ce":
+        # 0.9 (tv + ce / 9): the 0.9 rides on the row weights, which the kernel applies in fp32
+        # before any rounding (a scale of the returned loss would round a bf16 dX twice).
+        weights, ce_weight = 0.9 * weights, 0.1 / 0.9
+    loss, argmax = sparse_kl_loss(rows, weight, ids, logprobs, weights, tail="bucket",
+                                  divergence="tv" if "tv" in config.loss else "kl", reduction="sum",
+                                  ce_targets=top1 if ce_weight else None, ce_weight=ce_weight,
+                                  return_argmax=True, weight_grad_from=frozen)
     return loss, operands.head.to_target(argmax)
 
 
