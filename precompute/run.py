@@ -276,9 +276,18 @@ def _load(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: i
     if rank == 0:
         _check_out_dir(config)
     device = resolve_device(config.device, local_rank)
-    target = Target(config.target, layer_ids=config.feature_layers, num_feature_layers=config.num_feature_layers,
-                    top_k=config.top_k, device=device, dtype=resolve_dtype(config.dtype, device),
-                    trust_remote_code=config.trust_remote_code)
+    if config.engine == "vllm":
+        from dflash.precompute.vllm_engine import VllmTarget, rank_gpus
+
+        rank_gpus(local_rank, config.tensor_parallel_size)
+        target = VllmTarget(config.target, layer_ids=config.feature_layers,
+                            num_feature_layers=config.num_feature_layers, top_k=config.top_k,
+                            dtype=resolve_dtype(config.dtype, device), trust_remote_code=config.trust_remote_code,
+                            tensor_parallel_size=config.tensor_parallel_size, max_length=config.max_length)
+    else:
+        target = Target(config.target, layer_ids=config.feature_layers, num_feature_layers=config.num_feature_layers,
+                        top_k=config.top_k, device=device, dtype=resolve_dtype(config.dtype, device),
+                        trust_remote_code=config.trust_remote_code)
     spec = _build_spec(config, target, world_size)
     if rank != 0:
         return target, spec, False
