@@ -1,5 +1,5 @@
 """Stage one through vLLM (`--engine vllm`) writes the cache the transformers engine writes:
-on a tiny Llama (tied embeddings) and a tiny Qwen3 (its own head) in float32, in the engine
+on a tiny Llama (tied embeddings), a tiny Qwen3 (its own head) and a tiny Qwen3-MoE, in float32, in the engine
 venv (vLLM 0.32's CPU build), every codec, token ids and loss masks identical, features and
 top-k within the tolerances below, a 50-step fit on each cache ending at the same loss; a
 capture with the layer ids shifted by one, and a top-k read one position off, fail the same
@@ -25,7 +25,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (the engine venv has it: "
                                                      "bash bench/engine_venv.sh)")
 
-ARCHS = ["llama", "qwen3"]
+# qwen3-moe: vLLM's CPU backend runs Qwen3-MoE (4 experts, 2 a token, every layer sparse).
+ARCHS = ["llama", "qwen3", "qwen3-moe"]
 CODECS = ["bf16", "fp8", "basis-bf16", "basis-fp8"]
 # Feature error, max |vllm - transformers| / max |transformers| over a cache, per codec. The
 # float32 forwards differ by about 1e-6 relative (vLLM's fused residual add and its own matmul
