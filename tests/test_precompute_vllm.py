@@ -1,13 +1,16 @@
 """Stage one through vLLM (`--engine vllm`) writes the cache the transformers engine writes:
-on a tiny Llama (tied embeddings), a tiny Qwen3 (its own head) and a tiny Qwen3-MoE, in float32, in the engine
-venv (vLLM 0.32's CPU build), every codec, token ids and loss masks identical, features and
-top-k within the tolerances below, a 50-step fit on each cache ending at the same loss; a
-capture with the layer ids shifted by one, and a top-k read one position off, fail the same
-comparison. One vLLM engine per target for the whole module (dflash.precompute.vllm_engine
-keeps the process's engine when the next run asks for the same one).
+on a tiny Llama (tied embeddings), a tiny Qwen3 (its own head) and a tiny Qwen3-MoE, in
+float32, in the engine venv (vLLM 0.32's CPU build), every codec, token ids and loss masks
+identical, features and top-k within the tolerances below, a 50-step fit on each cache
+ending at the same loss, `--regenerate` giving the same replies; a capture with the layer ids
+shifted by one, and a top-k read one position off, fail the same comparison. One vLLM engine
+per target for the whole module (dflash.precompute.vllm_engine keeps the process's engine
+when the next run asks for the same one).
 
-The refusals that need no engine (vLLM absent, a TP size that does not divide the heads, a
-layer past the model, disagreeing tokenizers, a logit transform) run wherever they can.
+The refusals come before any engine starts (vLLM absent, an architecture vLLM has no model
+for, a TP size that does not divide the heads, a layer past the model, a logit transform);
+the tokenizers' check is tested on two tokenizers directly. The first and the last run
+without vLLM too.
 """
 
 import importlib.util
@@ -31,22 +34,27 @@ CODECS = ["bf16", "fp8", "basis-bf16", "basis-fp8"]
 # Feature error, max |vllm - transformers| / max |transformers| over a cache, per codec. The
 # float32 forwards differ by about 1e-6 relative (vLLM's fused residual add and its own matmul
 # order); a codec's rounding turns that into one step of its grid where a value sits on a
-# rounding boundary: bf16's step is at most 2^-7 of a value, e4m3's 2^-3 of the row's max
-# (basis codecs: of the coefficients'). Measured (Llama / Qwen3): bf16 3.4e-3 / 2.0e-3, fp8
-# 5.9e-3 / 7.2e-5, basis-bf16 8.4e-4 / 7.7e-4, basis-fp8 6.2e-3 / 5.0e-3.
-FEATURE_RTOL = {"bf16": 2**-7, "fp8": 2**-5, "basis-bf16": 2**-7, "basis-fp8": 2**-5}
+# rounding boundary: bf16's step is at most 2^-7 of a value, e4m3's at most 32/448 = 0.071 of
+# the row's max (basis codecs: of the coefficients'). Measured (Llama / Qwen3 / Qwen3-MoE):
+# bf16 3.4e-3 / 2.0e-3 / 2.3e-3, fp8 5.9e-3 / 7.2e-5 / 1.8e-3, basis-bf16 8.4e-4 / 7.7e-4 /
+# 7.6e-4, basis-fp8 6.2e-3 / 5.0e-3 / 6.0e-7; a wider random Llama (bench/stage_one_engines.py)
+# reaches 0.064 in fp8, one step.
+FEATURE_RTOL = {"bf16": 2**-7, "fp8": 0.08, "basis-bf16": 2**-7, "basis-fp8": 0.08}
 # Top-k ids must agree wherever neighbouring log-probs (the (k+1)-th from a top-(k+1)
 # reference) are further apart than this; the float32 log-probs differ by about 2e-5 nat.
 GAP_BOUND = 1e-3
 # The bf16 caches store the top-k raw (lossless): log-probs and tail mass as the float32 forwards
 # computed them, which agree to about 2e-5 nat. The fp8 caches store it packed (the default): a
 # 5-bit share code can step once where the forwards' tiny difference crosses a code boundary,
-# a jump of up to 0.06 nat on a 5% candidate (measured), so those compare in probability.
+# a jump of up to 0.06 nat on a 5% candidate (measured: probabilities 3.1e-3 apart, tail mass
+# 3.6e-4), so those compare in probability. Raw: log-probs 2.0e-5 nat, tail 1.8e-6 at most.
 TOPK_CODEC = {"bf16": "raw", "fp8": "packed", "basis-bf16": "raw", "basis-fp8": "packed"}
 LOGPROB_ATOL = {"raw": 1e-4, "packed": None}
 PROB_ATOL = {"raw": 1e-5, "packed": 1e-2}
 TAIL_ATOL = {"raw": 1e-5, "packed": 2e-3}
-FIT_LOSS_RTOL = 1e-2  # the 50th step's loss of fits on the two caches (same seed, same rows)
+# The 50th step's loss of fits on the two caches (same seed, same rows, features a bf16 step
+# apart at a few positions): measured 1.5e-6 relative at most.
+FIT_LOSS_RTOL = 1e-4
 MAX_LENGTH = 160
 
 
@@ -181,7 +189,7 @@ def test_layer_ids_shifted_by_one_fail_the_comparison(arch_target, data, caches,
     out = tmp_path / "shifted"
     run_precompute(_config(target, data, out, engine="vllm", feature_layers=shifted))
     figures = compare(caches["transformers", "bf16"], out, top_k_plus_one)
-    assert figures["feature_err"] > 0.2, figures  # measured: above 1 (another layer's scale)
+    assert figures["feature_err"] > 0.2, figures  # measured 0.81-0.89: another layer's values
 
 
 @needs_vllm
