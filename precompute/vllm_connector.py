@@ -64,6 +64,12 @@ class DflashHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._head: tuple[torch.Tensor, torch.Tensor, float] | None = None  # loaded on first use
         self.use_lock = False
 
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id, name in self._request_filenames.items():  # what `_submit_async_write` writes
+            self._request_filenames[req_id] = str(Path(name).with_suffix(".npz"))
+        return meta
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         if "dflash_top_k" not in params:  # a reply to generate: nothing to keep

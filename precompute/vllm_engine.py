@@ -110,6 +110,7 @@ class VllmTarget:
         _check_vllm_loads(self.path, self.config)
         _check_head(self.path, self.config)
         _check_tensor_parallel(self.path, text_config, tensor_parallel_size)
+        _check_max_length(self.path, text_config, max_length)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         self.eos_ids = _eos_ids(self.path, self.config, self.tokenizer)
         self.llm, self.spool = engine(self.path, dtype=dtype, layer_ids=self.vllm_layer_ids(),
@@ -249,19 +250,32 @@ def engine(path: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_paral
     this process's engine when it was started alike, else a new one (the old one stopped)."""
     import gc
 
-    from vllm import LLM
-
     key = json.dumps([str(path), str(dtype), layer_ids, tensor_parallel_size, max_model_len, trust_remote_code])
     if _ENGINE.get("key") == key:
         return _ENGINE["llm"], _ENGINE["spool"]
     _ENGINE.clear()
     gc.collect()
     spool = spool_dir()
+    try:
+        llm = _start(path, spool, dtype=dtype, layer_ids=layer_ids, tensor_parallel_size=tensor_parallel_size,
+                     max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+    except BaseException:
+        shutil.rmtree(spool, ignore_errors=True)
+        raise
+    weakref.finalize(llm, shutil.rmtree, spool, True)
+    _ENGINE.update(key=key, llm=llm, spool=spool)
+    return llm, spool
+
+
+def _start(path: Path, spool: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_parallel_size: int,
+           max_model_len: int, trust_remote_code: bool) -> Any:
+    from vllm import LLM
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
     # The engine core (scheduler) in this process, its workers wherever TP puts them: `_drain`
     # steps it, and a SIGKILL of the rank takes the whole engine with it.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = LLM(
+    return LLM(
         model=str(path), dtype=str(dtype).removeprefix("torch."), seed=0, tensor_parallel_size=tensor_parallel_size,
         trust_remote_code=trust_remote_code, max_model_len=max_model_len, enable_prefix_caching=False,
         enforce_eager=not torch.cuda.is_available(),
@@ -271,9 +285,6 @@ def engine(path: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_paral
                             "kv_connector_module_path": "dflash.precompute.vllm_connector",
                             "kv_role": "kv_producer",
                             "kv_connector_extra_config": {"shared_storage_path": str(spool), "target": str(path)}})
-    weakref.finalize(llm, shutil.rmtree, spool, True)
-    _ENGINE.update(key=key, llm=llm, spool=spool)
-    return llm, spool
 
 
 def _check_vllm_loads(path: Path, config: Any) -> None:
@@ -308,6 +319,15 @@ def _check_tensor_parallel(path: Path, text_config: Any, tensor_parallel_size: i
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} does not divide the {heads} attention "
                          f"heads of --target {path}: give one of {', '.join(map(str, divisors))}")
+
+
+def _check_max_length(path: Path, text_config: Any, max_length: int) -> None:
+    """vLLM runs a sequence only within the model's context, with room for the one token a
+    forward request generates."""
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is not None and max_length + 1 > int(context):
+        raise ValueError(f"--max-length {max_length} does not fit --target {path}'s context of {context} "
+                         f"positions under vLLM (it needs one more): give --max-length {int(context) - 1} or less")
 
 
 def check_tokenizers_agree(path: Path, mine: Any, theirs: Any) -> None:

@@ -8,7 +8,8 @@ per target for the whole module (dflash.precompute.vllm_engine keeps the process
 when the next run asks for the same one).
 
 The refusals come before any engine starts (vLLM absent, an architecture vLLM has no model
-for, a TP size that does not divide the heads, a layer past the model, a logit transform);
+for, a TP size that does not divide the heads, a layer past the model, a logit transform, a
+max length past the model's context);
 the tokenizers' check is tested on two tokenizers directly. The first and the last run
 without vLLM too.
 """
@@ -69,7 +70,7 @@ def arch_target(request, tmp_path_factory):
 
 
 def _config(target, data, out, **overrides):
-    return precompute_config(target, data, out, dtype="float32", max_length=MAX_LENGTH, **overrides)
+    return precompute_config(target, data, out, **{"dtype": "float32", "max_length": MAX_LENGTH, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +258,8 @@ def test_an_architecture_vllm_cannot_load_is_named(tmp_path):
     (dict(feature_layers=[1, 9]), r"--feature-layers 1,9: \[9\] out of range .* 6 decoder layers"),
     (dict(tensor_parallel_size=3), r"--tensor-parallel-size 3 does not divide the 2 attention heads .*give one "
                                    r"of 1, 2$"),
+    (dict(max_length=512), r"--max-length 512 does not fit .* context of 512 positions under vLLM .*give "
+                           r"--max-length 511 or less$"),
 ])
 def test_bad_options_get_one_line(arch_target, data, tmp_path, options, message):
     _, target = arch_target
