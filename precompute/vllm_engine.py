@@ -179,18 +179,20 @@ class VllmTarget:
                  seed: int) -> list[Generated]:
         """Continue each prompt until an end-of-sequence token or its own `max_new_tokens`, in this
         engine. Greedy at temperature 0; otherwise sampled from softmax(logits / temperature) over
-        the full vocabulary, every request drawing from the engine's generator (seed 0): vLLM's CPU
-        build refuses per-request seeds, so a sampled reply depends on the order the engine ran the
-        requests in (a resumed run's sampled replies differ from a straight run's), and `seed` is
-        not used."""
+        the full vocabulary: on a GPU request j draws with seed `seed + j` (a batch's replies are
+        reproducible, as the transformers engine's); on a CPU from the engine's generator (seed 0),
+        as vLLM's CPU build refuses per-request seeds, so a sampled reply depends on the order the
+        engine ran the requests in and a resumed run's sampled replies differ from a straight run's."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not self.eos_ids:
             raise ValueError("the target defines no end-of-sequence token; regeneration cannot stop")
-        params = [SamplingParams(max_tokens=n, temperature=temperature, top_k=0,
-                                 top_p=1.0, stop_token_ids=self.eos_ids, detokenize=False)
-                  for n in max_new_tokens]
+        seeded = temperature > 0 and torch.cuda.is_available()
+        params = [SamplingParams(max_tokens=n, temperature=temperature, top_k=0, top_p=1.0,
+                                 seed=(seed + j) % 2**63 if seeded else None, stop_token_ids=self.eos_ids,
+                                 detokenize=False)
+                  for j, n in enumerate(max_new_tokens)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         results = []
