@@ -265,6 +265,12 @@ def _run_rank(config: PrecomputeConfig, group: Group, local_rank: int) -> Precom
             finalize_cache(config.out, spec, world_size)
 
     group.step("writing the manifest", finalize)
+    if world_size > 1:
+        # vLLM's in-process engine adopts the ranks' default process group as its world and
+        # destroys it when it stops (at exit otherwise, after the group is gone): every rank
+        # is done here, then each stops its engine (Group.close finds the group gone).
+        group.step("stopping the engines", lambda: None)
+        target.close()
     return _summary(config, open_cache(config.out), gathered=gathered, start=start, world_size=world_size)
 
 

@@ -352,6 +352,10 @@ class Target:
             results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
         return results
 
+    def close(self) -> None:
+        """Release the engine: nothing to do here (the model goes with this object); the vLLM
+        engine's stops."""
+
     def identity(self) -> dict[str, Any]:
         """CacheSpec.target: what identifies this target and how it ran."""
         return {

@@ -82,9 +82,15 @@ def rank_gpus(local_rank: int, tensor_parallel_size: int) -> None:
 
 
 def spool_dir() -> Path:
-    """Where the worker leaves each request's encoded arrays: a tmpfs (memory) where there is one."""
+    """Where the worker leaves each request's encoded arrays: a tmpfs (memory) where there is
+    one. The folders of processes that died without removing theirs (a killed run) go first."""
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="dflash-vllm-", dir=shm if shm.is_dir() else None))
+    root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    for stale in root.glob("dflash-vllm-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"dflash-vllm-{os.getpid()}-", dir=root))
 
 
 class VllmTarget:
@@ -202,6 +208,10 @@ class VllmTarget:
             results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
         return results
 
+    def close(self) -> None:
+        """Stop this process's engine (its worker and process groups) and remove its spool."""
+        stop_engine()
+
     def identity(self) -> dict[str, Any]:
         """CacheSpec.target: what identifies this target and how it ran (the engine included)."""
         return {
@@ -267,6 +277,15 @@ def engine(path: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_paral
     weakref.finalize(llm, shutil.rmtree, spool, True)
     _ENGINE.update(key=key, llm=llm, spool=spool)
     return llm, spool
+
+
+def stop_engine() -> None:
+    """Shut this process's engine down, if there is one, and remove its spool."""
+    llm, spool = _ENGINE.get("llm"), _ENGINE.get("spool")
+    _ENGINE.clear()
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 def _start(path: Path, spool: Path, *, dtype: torch.dtype, layer_ids: list[int], tensor_parallel_size: int,

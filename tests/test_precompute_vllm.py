@@ -293,3 +293,24 @@ def test_tokenizers_that_disagree_are_refused(tmp_path):
                                          r"transformers, or fix the tokenizer files$"):
         check_tokenizers_agree(tmp_path, char_tokenizer(), build_tokenizer("chatml"))
     check_tokenizers_agree(tmp_path, char_tokenizer(), char_tokenizer())  # agreeing ones pass
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_ranks_write_the_rows_of_one(data, tmp_path):
+    """Data parallelism: two ranks, one engine each, write the rows one rank writes (by record)."""
+    target = vllm_target(tmp_path / "target", "qwen3")
+    caches = {}
+    for nproc in (1, 2):
+        caches[nproc] = tmp_path / f"ranks-{nproc}"
+        run_precompute(_config(target, data, caches[nproc], engine="vllm", topk_codec="raw", nproc=nproc))
+    one, two = open_cache(caches[1]), open_cache(caches[2])
+    by_source = {(two.source(i)["file"], two.source(i)["index"]): i for i in range(len(two))}
+    assert len(one) == len(two) == len(by_source)
+    for i in range(len(one)):
+        j = by_source[one.source(i)["file"], one.source(i)["index"]]
+        np.testing.assert_array_equal(two.input_ids(j), one.input_ids(i))
+        np.testing.assert_allclose(two[j].features, one[i].features, rtol=0, atol=FEATURE_RTOL["bf16"] *
+                                   float(np.abs(one[i].features).max()))
+        np.testing.assert_allclose(two[j].topk_logprobs, one[i].topk_logprobs, rtol=0, atol=1e-4)
+    verify_cache(caches[2])
