@@ -51,10 +51,10 @@ $(ENGINE_VENV)/.dflash-engine-ready: bench/engine_venv.sh
 
 ENGINE_DEP := $(if $(filter 1,$(ENGINE)),$(ENGINE_VENV)/.dflash-engine-ready,)
 
-# The online-eval tests and the family matrix, in the engine venv. Left out there: the hybrid
+# The online-eval tests, the family matrix and stage one on vLLM (--engine vllm), in the engine venv. Left out there: the hybrid
 # families (qwen3-next, qwen3.5*: their recurrent state needs transformers >= 5.25; the refusal
 # that names 5.19 is tests/test_target_cache.py's) and the `engine` tests (they ran from .venv).
-ENGINE_TESTS ?= tests/test_target_cache.py tests/test_eval_online.py tests/test_families.py
+ENGINE_TESTS ?= tests/test_target_cache.py tests/test_eval_online.py tests/test_families.py tests/test_precompute_vllm.py
 ENGINE_TESTS_K ?= not qwen3-next and not qwen3.5
 
 # Skips, saying so, when the engine venv is not built; fails when dflash fails inside it.

@@ -55,6 +55,12 @@ class PrecomputeConfig:
     forward_batch_tokens: int = 0
     """Padded tokens per target forward, at most --batch-tokens; 0: --batch-tokens on a GPU, 2048
     on a CPU, where large forwards run slower (bench/RESULTS.md). The rows are the same either way."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """What runs the target: transformers (one device per rank), or vllm (vLLM's prefill, with tensor
+    parallelism for targets larger than one GPU; install it first: pip install vllm). The cache is the
+    same format either way."""
+    tensor_parallel_size: int = 1
+    """--engine vllm: GPUs each rank's engine splits the target over; ranks x this GPUs in all."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto, cpu or cuda (one GPU per process, by local rank)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -134,6 +140,10 @@ class PrecomputeConfig:
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}"),
             (self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}"),
+            (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.tensor_parallel_size == 1 or self.engine == "vllm",
+             f"--tensor-parallel-size {self.tensor_parallel_size} needs --engine vllm (transformers runs one "
+             "device per rank)"),
             (self.shard_max_rows >= 1, f"shard_max_rows must be >= 1, got {self.shard_max_rows}"),
             (self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}"),
         ]

@@ -71,10 +71,10 @@ class Group:
         rank that died would make the others wait for the whole timeout. The rendezvous store
         lives outside the ranks (torchrun's agent, or the process that spawned them), so it
         outlasts every rank's teardown."""
-        if self.world_size > 1:
-            import gc
+        import torch.distributed as dist
 
-            import torch.distributed as dist
+        if self.world_size > 1 and dist.is_initialized():  # vLLM's engine may have destroyed it (run.py)
+            import gc
 
             if together:
                 dist.barrier()

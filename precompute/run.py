@@ -265,6 +265,12 @@ def _run_rank(config: PrecomputeConfig, group: Group, local_rank: int) -> Precom
             finalize_cache(config.out, spec, world_size)
 
     group.step("writing the manifest", finalize)
+    if world_size > 1:
+        # vLLM's in-process engine adopts the ranks' default process group as its world and
+        # destroys it when it stops (at exit otherwise, after the group is gone): every rank
+        # is done here, then each stops its engine (Group.close finds the group gone).
+        group.step("stopping the engines", lambda: None)
+        target.close()
     return _summary(config, open_cache(config.out), gathered=gathered, start=start, world_size=world_size)
 
 
@@ -276,9 +282,18 @@ def _load(config: PrecomputeConfig, *, rank: int, world_size: int, local_rank: i
     if rank == 0:
         _check_out_dir(config)
     device = resolve_device(config.device, local_rank)
-    target = Target(config.target, layer_ids=config.feature_layers, num_feature_layers=config.num_feature_layers,
-                    top_k=config.top_k, device=device, dtype=resolve_dtype(config.dtype, device),
-                    trust_remote_code=config.trust_remote_code)
+    if config.engine == "vllm":
+        from dflash.precompute.vllm_engine import VllmTarget, rank_gpus
+
+        rank_gpus(local_rank, config.tensor_parallel_size)
+        target = VllmTarget(config.target, layer_ids=config.feature_layers,
+                            num_feature_layers=config.num_feature_layers, top_k=config.top_k,
+                            dtype=resolve_dtype(config.dtype, device), trust_remote_code=config.trust_remote_code,
+                            tensor_parallel_size=config.tensor_parallel_size, max_length=config.max_length)
+    else:
+        target = Target(config.target, layer_ids=config.feature_layers, num_feature_layers=config.num_feature_layers,
+                        top_k=config.top_k, device=device, dtype=resolve_dtype(config.dtype, device),
+                        trust_remote_code=config.trust_remote_code)
     spec = _build_spec(config, target, world_size)
     if rank != 0:
         return target, spec, False

@@ -37,11 +37,10 @@ import torch
 from dflash.common.files import atomic_dir
 from dflash.common.fingerprint import target_fingerprint
 from dflash.precompute.device_codecs import DEVICE_CODECS, encode_features
+from dflash.precompute.topk import chunked_topk
 from dflash.shards import TargetInfo, default_layer_ids
 from dflash.shards.layout import HEAD_FILE
 
-# fp32 log-softmax work per chunk of positions: chunk rows = this / (4 * V).
-TOPK_CHUNK_BYTES = 2**28
 # Feature values encoded per chunk on the device: bounds the encoder's float32 temporaries.
 ENCODE_CHUNK_VALUES = 2**26
 # Device types whose forward encodes the features. On a CPU the host is the device, and the
@@ -286,17 +285,8 @@ class Target:
             row = int((~torch.isfinite(features)).flatten(1).any(1).nonzero()[0])
             raise ValueError(f"{names[_owner(starts, row)]}: non-finite target feature at position "
                              f"{row - starts[_owner(starts, row)]}")
-        total = int(starts[-1])
-        topk_ids = torch.empty((total, self.top_k), dtype=torch.int32, device=self.device)  # [N, k]
-        topk_logprobs = torch.empty((total, self.top_k), dtype=torch.float32, device=self.device)  # [N, k]
-        rows_per_chunk = max(1, TOPK_CHUNK_BYTES // (4 * self.vocab_size))
-        for lo in range(0, total, rows_per_chunk):
-            rows = slice(lo, min(lo + rows_per_chunk, total))
-            # One fused log_softmax then topk: on CPU this beats topk(logits) - logsumexp
-            # (whose exp pass is slower than log_softmax's), and the chunk bounds the memory.
-            logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)  # [n, V] fp32
-            values, indices = torch.topk(logprobs, self.top_k, dim=-1)  # [n, k]
-            topk_logprobs[rows], topk_ids[rows] = values, indices.int()
+        topk_ids, topk_logprobs = chunked_topk(logits_of, int(starts[-1]), self.top_k, self.vocab_size,
+                                               self.device)  # [N, k] int32, [N, k] float32
         if not torch.isfinite(topk_logprobs).all():
             row = int((~torch.isfinite(topk_logprobs)).any(1).nonzero()[0])
             raise ValueError(f"{names[_owner(starts, row)]}: non-finite target log-probability at "
@@ -362,6 +352,10 @@ class Target:
             results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
         return results
 
+    def close(self) -> None:
+        """Release the engine: nothing to do here (the model goes with this object); the vLLM
+        engine's stops."""
+
     def identity(self) -> dict[str, Any]:
         """CacheSpec.target: what identifies this target and how it ran."""
         return {
@@ -383,48 +377,63 @@ class Target:
         return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
 
     def write_target_dir(self, out: Path) -> None:
-        """Write `out` (CACHE/target): config, tokenizer, generation config, head.safetensors
-        (embedding and LM head, both always present, in the run's dtype) and target.json.
-        Published atomically (`atomic_dir`), so `out` is complete or absent."""
-        from safetensors.torch import save_file
-
+        """Write `out` (CACHE/target): `write_target_folder` with this model's embedding, LM head
+        and final norm scale."""
         embed = self.model.get_input_embeddings().weight.detach()  # [V, H]
         head = self.model.get_output_embeddings().weight.detach()  # [V, H]
-        text_config = self.config.get_text_config()
-        rope = getattr(text_config, "rope_parameters", None) or {}
-        info = TargetInfo(
-            layer_ids=self.layer_ids,
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size,
-            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
-            model_type=self.config.model_type,
-            mask_token_id=self.tokenizer.mask_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=text_config.eos_token_id,
-            bos_token_id=text_config.bos_token_id,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
-            rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
-            dtype=str(self.dtype).removeprefix("torch."),
-            fingerprint=self.fingerprint,
-        )
-        with atomic_dir(out) as tmp:
-            self.config.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            if (self.path / "generation_config.json").is_file():
-                self.model.generation_config.save_pretrained(tmp)
-            # Cloned separately: safetensors refuses tensors that share memory (tied weights).
-            tensors = {"embed_tokens.weight": embed.cpu().clone().contiguous(),
-                       "lm_head.weight": head.cpu().clone().contiguous()}
-            norm = final_norm_scale(self.model, self.hidden_size)
-            if norm is not None:
-                tensors["norm.weight"] = norm
-            try:
-                save_file(tensors, tmp / HEAD_FILE)
-            except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
-                raise OSError(f"{tmp / HEAD_FILE}: cannot write the target's embedding and LM "
-                              f"head: {error}; free space under {out.parent} and run again") from error
-            info.save(tmp)
+        # Cloned separately: safetensors refuses tensors that share memory (tied weights).
+        tensors = {"embed_tokens.weight": embed.cpu().clone().contiguous(),
+                   "lm_head.weight": head.cpu().clone().contiguous()}
+        norm = final_norm_scale(self.model, self.hidden_size)
+        if norm is not None:
+            tensors["norm.weight"] = norm
+        generation = self.model.generation_config if (self.path / "generation_config.json").is_file() else None
+        write_target_folder(out, config=self.config, tokenizer=self.tokenizer, generation_config=generation,
+                            tensors=tensors, info=target_info(self))
+
+
+def target_info(target: Any) -> TargetInfo:
+    """The TargetInfo of a loaded target of either engine (its config, tokenizer, layer ids,
+    dtype and fingerprint)."""
+    text_config = target.config.get_text_config()
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    return TargetInfo(
+        layer_ids=target.layer_ids,
+        num_layers=target.num_layers,
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+        model_type=target.config.model_type,
+        mask_token_id=target.tokenizer.mask_token_id,
+        pad_token_id=target.tokenizer.pad_token_id,
+        eos_token_id=text_config.eos_token_id,
+        bos_token_id=text_config.bos_token_id,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
+        rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)),
+        dtype=str(target.dtype).removeprefix("torch."),
+        fingerprint=target.fingerprint,
+    )
+
+
+def write_target_folder(out: Path, *, config: Any, tokenizer: Any, generation_config: Any,
+                        tensors: dict[str, torch.Tensor], info: TargetInfo) -> None:
+    """Write `out` (CACHE/target): config, tokenizer, generation config (when not None),
+    head.safetensors (`tensors`: embedding and LM head, both always present, in the run's
+    dtype, and the final norm's scale when known) and target.json. Published atomically
+    (`atomic_dir`), so `out` is complete or absent."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out) as tmp:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        try:
+            save_file(tensors, tmp / HEAD_FILE)
+        except Exception as error:  # safetensors raises SafetensorError, not OSError, on a full disk
+            raise OSError(f"{tmp / HEAD_FILE}: cannot write the target's embedding and LM "
+                          f"head: {error}; free space under {out.parent} and run again") from error
+        info.save(tmp)
 
 
 def final_norm_scale(model: torch.nn.Module, hidden_size: int) -> torch.Tensor | None:

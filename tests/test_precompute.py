@@ -177,13 +177,13 @@ def test_the_automatic_forward_budget_is_small_on_a_cpu_and_the_batch_on_a_gpu(t
 
 
 def test_chunked_topk_equals_one_pass(targets, monkeypatch):
-    import dflash.precompute.target as target_module
+    import dflash.precompute.topk as topk_module
 
     target = Target(targets["llama"], layer_ids=[1, 2], num_feature_layers=2, top_k=5,
                     device=torch.device("cpu"), dtype=torch.float32, trust_remote_code=False)
     sequences = [ChatEncoder(target.tokenizer, 3072).encode(c).input_ids for c in CONVERSATIONS]
     whole = target.forward(sequences, ["x"] * 4)
-    monkeypatch.setattr(target_module, "TOPK_CHUNK_BYTES", 4 * target.vocab_size * 7)  # 7 rows a chunk
+    monkeypatch.setattr(topk_module, "TOPK_CHUNK_BYTES", 4 * target.vocab_size * 7)  # 7 rows a chunk
     chunked = target.forward(sequences, ["x"] * 4)
     for a, b in zip(whole, chunked):
         np.testing.assert_array_equal(a.topk_ids, b.topk_ids)

@@ -75,6 +75,9 @@ class FaultsConfig:
     load: int = 0
     """Busy-loop processes running beside the trials (and the reference runs), killed at the
     end: kills and writes land at other instants on a loaded machine."""
+    engine: str = "transformers"
+    """Stage one's engine in the precompute trials (`--engine`): vllm runs them on a target
+    vLLM's CPU backend serves (run from the engine venv)."""
 
     def __post_init__(self) -> None:
         if self.load < 0:
@@ -130,7 +133,7 @@ def run_faults(config: FaultsConfig, log: Callable[[str], None] = lambda s: None
     began = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-faults-")) if config.workdir is None else config.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    ws = Workspace(workdir, config.seed)
+    ws = Workspace(workdir, config.seed, engine=config.engine)
     results: dict[str, Any] = {}
     try:
         with cpu_load(config.load):
@@ -146,6 +149,7 @@ def run_faults(config: FaultsConfig, log: Callable[[str], None] = lambda s: None
         "seed": config.seed,
         "trials": config.trials,
         "load": config.load,
+        "engine": config.engine,
         "load_average": round(load_average, 1),
         "classes": results,
         "failures": sum(r["failures"] for r in results.values()),
@@ -217,11 +221,13 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="a line per trial on stderr")
     parser.add_argument("--load", type=int, default=0,
                         help="busy-loop processes beside the trials, killed at the end (default 0)")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                        help="stage one's engine in the precompute trials (vllm: run from the engine venv)")
     args = parser.parse_args()
     os.environ.update(CHILD_ENV)
     config = FaultsConfig(trials=1 if args.trial is not None else args.trials, seed=args.seed,
                           classes=[c for c in args.classes.split(",") if c],
-                          first_trial=args.trial or 0, workdir=args.workdir, load=args.load)
+                          first_trial=args.trial or 0, workdir=args.workdir, load=args.load, engine=args.engine)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
     result = run_faults(config, log)
     print(format_table(result))

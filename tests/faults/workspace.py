@@ -33,7 +33,10 @@ import numpy as np
 from dflash.testing.builders import FIT_LENGTHS, TINY_FIT, tiny_fit_config
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+             "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+             # --engine vllm: the engine core in the run's own process (a SIGKILL takes all of it)
+             # with a 1 GiB KV cache on a CPU
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # Imported once by the forkserver; every child forks from it with these already loaded.
 PRELOAD = ["torch", "transformers", "safetensors.torch", "dflash.precompute.cli", "dflash.precompute.run",
            "dflash.precompute.target", "dflash.train.cli", "dflash.train.fit", "dflash.shards",
@@ -346,9 +349,10 @@ class FitReference:
 class Workspace:
     """Targets, inputs, caches and reference runs shared by the trials, built on first use."""
 
-    def __init__(self, root: Path, seed: int):
+    def __init__(self, root: Path, seed: int, engine: str = "transformers"):
         self.root = root
         self.seed = seed
+        self.engine = engine
         self._context = None
 
     # -- children ---------------------------------------------------------------------------
@@ -384,9 +388,11 @@ class Workspace:
 
     @cached_property
     def target(self) -> Path:
-        from dflash.testing.builders import build_target
+        from dflash.testing.builders import build_target, vllm_target
 
         with quiet():
+            if self.engine == "vllm":  # vLLM's CPU attention needs heads of 32 or more
+                return vllm_target(self.root / "target-qwen3-vllm", "qwen3")
             return build_target("qwen3", self.root / "target-qwen3")
 
     @cached_property
@@ -406,8 +412,9 @@ class Workspace:
         return write_jsonl(self.root / "chat.jsonl", records)
 
     def precompute_args(self, out: Path) -> list[str]:
+        engine = ["--engine", "vllm", "--dtype", "float32"] if self.engine == "vllm" else []
         return ["--target", str(self.target), "--data", str(self.chat_data), "--out", str(out),
-                *PRECOMPUTE_OPTIONS]
+                *PRECOMPUTE_OPTIONS, *engine]
 
     @cached_property
     def precompute_reference(self) -> PrecomputeReference:
