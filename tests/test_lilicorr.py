@@ -351,13 +351,16 @@ from vllm.model_executor.models.lilicorr import LiLiCorrHead
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
 case = torch.load(sys.argv[1])
-init_distributed_environment(1, 0, "tcp://127.0.0.1:" + sys.argv[3], 0, "gloo")
-initialize_model_parallel(1)
 with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(1, 0, "tcp://127.0.0.1:" + sys.argv[3], 0, "gloo")
+    initialize_model_parallel(1)
     head = LiLiCorrHead(model_hidden_size=case["hidden_size"], block_size=case["block_size"],
                         rms_norm_eps=case["eps"], config=case["fields"], prefix="lilicorr")
 AutoWeightsLoader(head).load_weights(case["tensors"].items())
-head.materialize_inference_buffers(torch.device("cpu"), torch.float32)
+head.materialize_inference_buffers(torch.device("cpu"), torch.float32)  # what its load_weights ends with
+for module in head.modules():  # then vLLM's model loader (its CPU linear kernels)
+    if getattr(module, "quant_method", None) is not None:
+        module.quant_method.process_weights_after_loading(module)
 with torch.no_grad():
     scores = head.forward(case["embeddings"], case["log_probs"], case["rows"], case["anchor"],
                           torch.ones(case["rows"].shape[0], dtype=torch.bool))
