@@ -475,8 +475,8 @@ def lattice_loss(drafter: LiLiCorrDrafter, rows: torch.Tensor, head: TargetHead,
     times the rows' summed weight (fit divides the summed loss by it). rows [N, H] the
     labelled rows, ids, logprobs [N, k] the teacher, top1 [N], weights [N]."""
     w_ce, w_margin, w_pen, margin = OBJECTIVES[drafter.config.lilicorr_objective]
-    if blocks.slots.shape[0] == 0:
-        return rows.sum() * 0.0
+    if blocks.slots.shape[0] == 0:  # a zero that reaches every head tensor (DDP reduces each one every step)
+        return sum(p.sum() for p in drafter.lilicorr.parameters()) * 0.0 + rows.sum() * 0.0
     anchor = drafter.fuse_context(blocks.context.to(drafter.fc.weight.dtype))  # [n, H]
     candidates, start, pairs = lattice(drafter, rows[blocks.slots], anchor, head, chunk=chunk)
     truth = top1[blocks.slots]  # [n, D]
