@@ -229,6 +229,17 @@ def test_the_lattice_loss_and_its_gradient_match_dense_logits(objective):
     assert float(by_name["fc.weight"].abs().sum()) > 0  # the anchor state: the fused context row
 
 
+def test_a_batch_without_a_complete_block_gives_zero_through_every_head_tensor():
+    """DDP reduces every parameter's gradient each step: the head's must exist (zero) then too."""
+    model = make_lilicorr().train()
+    rows = torch.randn(4, H, requires_grad=True)
+    empty = LatticeRows(slots=torch.zeros(0, 3, dtype=torch.long), context=torch.zeros(0, 2 * H))
+    loss = lattice_loss(model, rows, head(), empty, torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2),
+                        torch.zeros(4, dtype=torch.long), torch.ones(4))
+    grads = torch.autograd.grad(loss, list(model.lilicorr.parameters()))
+    assert float(loss) == 0.0 and all(float(g.abs().sum()) == 0.0 for g in grads)
+
+
 def test_lattice_rows_are_the_complete_blocks_and_the_rows_before_their_anchors():
     class Batch:  # train/data.py's Batch, the fields lattice_rows reads: 2 segments, blocks of 4 rows
         segments = [(6, np.array([2, 6])), (5, np.array([5]))]
