@@ -20,7 +20,10 @@ causal inside the block by the layer rule; float32 export; V2 only, as vLLM 0.32
 layers on V1), and a DFlash2 drafter on the Llama target (`fit --drafter dflash2`, convolution
 groups of 16 channels, selector rank 16 over the top 8; block 4; float32 export; vLLM method
 `dflash`, V2 only: its selector walk runs as plain torch in the engine process, since Triton's
-interpreter cannot run vLLM's kernel, bench/engine_vllm.py says why). The Llama kind's DFlash
+interpreter cannot run vLLM's kernel, bench/engine_vllm.py says why), and a LiLiCorr drafter
+on the Llama target (`fit --drafter lilicorr --lilicorr-convolutions`, groups of 16, a lattice of
+the top 8 with 32-wide transition vectors; block 4; float32 export; vLLM method `dflash`, V2
+only: its lattice head is plain torch, its walk DFlash2's, run in torch likewise). The Llama kind's DFlash
 export is also served on V2, which must agree with V1 and with dflash step for step.
 `--families matrix`: one case per other target family of dflash.testing.families that vLLM's
 CPU build serves (TARGET_MATRIX: Qwen2, Qwen3-MoE, gpt-oss with its sliding and full layers,
@@ -74,7 +77,10 @@ DSpark folder's Markov head with markov_w1 and markov_w2 swapped (same shape ove
 vocabulary, so vLLM loads it) or left out (vLLM loads it anyway and drafts from uninitialised
 memory), a sliding-window drafter's window widened past every sequence, and a DFlash2
 folder's selector codebooks swapped (predecessor for successor, same shape) or its
-convolutions' tensors left out (vLLM's loader does not notice), by acceptance.
+convolutions' tensors left out (vLLM's loader does not notice), by acceptance; a LiLiCorr
+folder's lattice with out_head and in_head swapped (same shape), by acceptance, or its factor
+heads left out, which vLLM 0.32's LiLiCorr loader refuses by its coverage check (so that copy
+fails by the refusal, not by acceptance).
 Exit status 1 when a good export fails or a broken one passes.
 """
 
@@ -177,6 +183,12 @@ FAMILIES: dict[str, Family] = {family.name: family for family in [
     Family(name="llama-dflash2-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
            fit_options={"drafter": "dflash2", "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
            model_runners=("v2",), broken=("selector-codebooks-swapped", "convolutions-dropped")),
+    # LiLiCorr with DFlash2's convolutions: a lattice of the top 8 of 104, head of the drafter's width;
+    # 400 steps: the lattice makes a step slower on CPU, and the drafter's accuracy is near 1 by then
+    Family(name="llama-lilicorr-b4", arch="llama", feature_codec="bf16", block_rows=4, dtype="float32",
+           max_steps=400, fit_options={"drafter": "lilicorr", "lilicorr_candidate_topk": 8, "lilicorr_factor_dim": 32,
+                        "lilicorr_convolutions": True, "conv_group_size": 16},
+           model_runners=("v2",), broken=("lattice-in-out-swapped", "factor-heads-dropped")),
 ]}
 
 # The family matrix (dflash.testing.families): each other target family that vLLM's CPU build
@@ -448,6 +460,20 @@ def convolutions_dropped(folder: Path, **_) -> None:
     _drop_weights(folder, lambda name: ".attention_conv." in name or ".mlp_conv." in name)
 
 
+def lattice_in_out_swapped(folder: Path, **_) -> None:
+    """A LiLiCorr folder's lattice with `out_head` and `in_head` (weights and biases) exchanged:
+    their shapes agree, so vLLM loads the swap without a word and scores every transition backwards."""
+    for tensor in ("weight", "bias"):
+        _swap_weights(folder, f"lilicorr.out_head.{tensor}", f"lilicorr.in_head.{tensor}")
+
+
+def factor_heads_dropped(folder: Path, **_) -> None:
+    """A LiLiCorr folder without its factor heads (`factor_input_proj`, `out_head`, `in_head`,
+    `anchor_out_head`): vLLM 0.32's LiLiCorr loader checks the head's coverage and refuses it."""
+    _drop_weights(folder, lambda name: name.startswith(("lilicorr.factor_input_proj.", "lilicorr.out_head.",
+                                                        "lilicorr.in_head.", "lilicorr.anchor_out_head.")))
+
+
 BROKEN: dict[str, Callable[..., None]] = {
     "ids-off-by-one": ids_off_by_one,
     "ids-reversed-fc-permuted": ids_reversed_fc_permuted,
@@ -460,6 +486,8 @@ BROKEN: dict[str, Callable[..., None]] = {
     "window-widened": window_widened,
     "selector-codebooks-swapped": selector_codebooks_swapped,
     "convolutions-dropped": convolutions_dropped,
+    "lattice-in-out-swapped": lattice_in_out_swapped,
+    "factor-heads-dropped": factor_heads_dropped,
 }
 BASIS_ONLY = {"fc-unfolded"}  # needs a drafter trained on a basis cache
 

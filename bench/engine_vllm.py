@@ -51,7 +51,8 @@ which runs every `@triton.jit` kernel in Python on CPU tensors, and a `cpu` entr
 process only: no installed file changes, and a GPU needs none of it.
 
 One V2 kernel the interpreter cannot run: DFlash2's selector walk (`_selector_walk_kernel`,
-called by `CandidateSampler.sample`, vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py)
+called by `CandidateSampler.sample`, vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py,
+which LiLiCorr's speculator shares: its lattice head's scores take the selector's place)
 stops at its first load in the step loop with `InterpreterError: ValueError('mask has
 unsupported dtype')`. Its mask is `mask & valid`, `valid = req_state >= 0` a scalar
 comparison; Triton 3.9's interpreter gives a comparison's handle the operands' dtype (int32,

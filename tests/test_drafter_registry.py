@@ -18,9 +18,9 @@ from dflash.train.config import FitConfig, ModelConfig
 from dflash.train.model import DrafterConfig
 
 TRAIN = Path(__file__).resolve().parents[1] / "train"
-# A kind's name as code would ask for it: the names (any case), `markov`, `selector`, and "dflash" as a
+# A kind's name as code would ask for it: the names (any case), `markov`, `selector`, `lattice`, and "dflash" as a
 # string (not the package name `dflash.` nor the word DFlash in prose).
-KIND_WORDS = re.compile(r"dspark|markov|dflash2|selector|[\"']dflash[\"']", re.IGNORECASE)
+KIND_WORDS = re.compile(r"dspark|markov|dflash2|selector|lilicorr|lattice|[\"']dflash[\"']", re.IGNORECASE)
 # (file, the line's text that may hold a kind word, why).
 ALLOWED = {
     ("config.py", 'wandb_project: str = field(default="dflash", metadata=BOOKKEEPING)'): "the W&B project name",

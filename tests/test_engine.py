@@ -22,7 +22,11 @@ drafter on the Llama target (`fit --drafter dflash2`, convolution groups of 16, 
 over the top 8, float32 export, vLLM's `dflash` method on its V2 runner, with its selector walk
 replaced by the same greedy walk in torch, as Triton's interpreter cannot run vLLM's kernel),
 whose broken copies (the selector's predecessor and successor codebooks swapped, the
-convolutions' tensors left out) must fail by acceptance. The Llama kind's DFlash export is
+convolutions' tensors left out) must fail by acceptance; a LiLiCorr drafter with DFlash2's
+convolutions on the Llama target (`fit --drafter lilicorr`, a lattice of the top 8, float32,
+`dflash` on V2, the same torch walk), whose copy with the lattice's out_head and in_head
+swapped must fail by acceptance and whose copy without its factor heads vLLM refuses (its
+loader's coverage check). The Llama kind's DFlash export is
 served a second time on vLLM's V2 model runner (`-v2`), which runs on CPU through Triton's
 interpreter (bench/engine_vllm.py: a workaround in the engine process, never a change to
 installed files), and must agree step for step too. One engine per drafter folder and per
@@ -75,7 +79,7 @@ def test_each_kind_of_export_decodes_losslessly_with_dflashs_acceptance(engine_c
     good = engine_cases[name]
     assert good["failures"] == []
     # The drafter accepts drafts on most steps, so a broken export has steps to change.
-    assert good["dflash"]["acceptance_length"] > 1.2  # 1.3-1.8 here, 3.4 the DFlash2 kind
+    assert good["dflash"]["acceptance_length"] > 1.2  # 1.3-1.8 here, 3.4 the DFlash2 and LiLiCorr kinds
     if not good["near_ties"]:
         assert good["vllm"] == good["dflash"]  # pooled, per-prompt and per-position figures
 

@@ -157,7 +157,7 @@ def sequence_acceptance(
         hidden = drafter(embeds, flat[:context_length], layout)  # [n*Q, H]
         drafts[first:first + chunk.shape[0]] = kind.draft(  # the online loop's rule (train/drafters/)
             drafter, hidden.view(chunk.shape[0], Q, -1), block_ids[:, 0], head,
-            rows_per_chunk=argmax_rows).tokens.cpu().numpy()
+            rows_per_chunk=argmax_rows, context=flat[torch.as_tensor(chunk - 1, device=device)]).tokens.cpu().numpy()
     matches = (drafts == expected) & scored
     accepted = block_acceptance(matches, scored)
     cut = stop_token_ids is not None and mask.any() and int(input_ids[np.flatnonzero(mask)[-1]]) not in stop_token_ids

@@ -196,7 +196,7 @@ def write_export(drafter: DFlashDrafter, out: str | Path, *, dtype: torch.dtype 
             "built with ascending, distinct --feature-layers")
     state = drafter.state_dict()
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-    assert not any("embed" in name or "lm_head" in name for name in state), sorted(state)
+    assert not any(name.split(".")[0] in ("embed_tokens", "lm_head") for name in state), sorted(state)
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items() if name not in DRAFT_BUFFERS}
     tensors.update(draft_vocab_tensors(drafter, dtype))
     config = hf_config(drafter.config, dtype=dtype_name, token_ids=token_ids)

@@ -249,13 +249,16 @@ class DrafterProposer:
         self.head = head.for_drafter(drafter)  # a draft vocabulary's rows, when it has one
         self.mask_token_id = drafter.config.mask_token_id
         self.cache = DrafterContextCache()
+        self.context: torch.Tensor | None = None  # [1, L*H]: the features of the last committed position
 
     def reset(self) -> None:
         self.cache = DrafterContextCache()
+        self.context = None
 
     @_drafting
     def commit(self, features: torch.Tensor) -> None:
         self.drafter.append_context(self.cache, features[None])  # [1, n, L*H]
+        self.context = features[-1:]
 
     def propose(self, anchor_token: int, verify_size: int) -> list[int]:
         return self.draft(anchor_token, verify_size).tokens[0].tolist()
@@ -272,7 +275,8 @@ class DrafterProposer:
         block = torch.full((1, rows), self.mask_token_id, dtype=torch.long, device=device)  # [1, rows]
         block[0, 0] = anchor_token
         hidden = self.drafter.forward_block(self.head.embed(block), self.cache)  # [1, rows, H]
-        return kind.draft(self.drafter, hidden, block[:, 0], self.head, linear=rows_linear, margins=margins)
+        return kind.draft(self.drafter, hidden, block[:, 0], self.head, linear=rows_linear, margins=margins,
+                          context=self.context)
 
 
 class MatchSampler:

@@ -20,6 +20,7 @@ from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands
 from dflash.train.drafters.dflash import DFlashKind
 from dflash.train.drafters.dflash2 import DFlash2Kind
 from dflash.train.drafters.dspark import DSparkKind
+from dflash.train.drafters.lilicorr import LiLiCorrKind
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 _KINDS: dict[str, DrafterKind] = {}
@@ -54,6 +55,7 @@ def kinds() -> tuple[DrafterKind, ...]:
 DEFAULT = register(DFlashKind()).name
 register(DSparkKind())
 register(DFlash2Kind())
+register(LiLiCorrKind())
 
 
 def of_config(config: DrafterConfig) -> DrafterKind:

@@ -161,12 +161,15 @@ class DrafterKind:
     # -- drafting ---------------------------------------------------------------------------
 
     def draft(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead, *,
-              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024) -> Drafts:
+              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024,
+              context: torch.Tensor | None = None) -> Drafts:
         """Greedy drafts of n blocks from the drafter's output rows.
 
         hidden [n, block_rows, H] (the drafter's forward over the blocks), anchors [n] target
         ids, head the drafter's head (`head.for_drafter`). `linear` (x [m, H], w [V, H]) ->
         [m, V] computes the logits (None: float32 matmuls, `rows_per_chunk` rows at a time).
+        context [n, L*H]: the target features at the position before each anchor, for a kind
+        whose head reads them (DFlash's block does not).
         """
         n, _, H = hidden.shape
         rows = hidden[:, 1:].reshape(-1, H)  # [n*D, H]: the anchor's row predicts nothing

@@ -393,7 +393,8 @@ class DFlash2Kind(DrafterKind):
                                                    top1.long(), weights)
 
     def draft(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead, *,
-              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024) -> Drafts:
+              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024,
+              context: torch.Tensor | None = None) -> Drafts:
         """The selector walk over the masks' rows (the anchor's row predicts nothing)."""
         return selector_drafts(drafter, hidden[:, 1:], anchors, head, linear, margins, rows_per_chunk)
 

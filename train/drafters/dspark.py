@@ -291,7 +291,8 @@ class DSparkKind(DrafterKind):
                                ids, logprobs, weights)
 
     def draft(self, drafter: DFlashDrafter, hidden: torch.Tensor, anchors: torch.Tensor, head: TargetHead, *,
-              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024) -> Drafts:
+              linear: Any = None, margins: bool = False, rows_per_chunk: int = 1024,
+              context: torch.Tensor | None = None) -> Drafts:
         """Left to right, each draft's Markov bias from the one before (`sequential_drafts`)."""
         return _sequential(drafter, hidden, anchors, head, linear, margins)
 
