@@ -176,9 +176,10 @@ VARIANTS.update({
 # block tokens, 1 layer), each with fit's default kl+ce and with DSpark's paper loss 0.9 TV + 0.1 CE
 # (`--loss 0.9tv+0.1ce`). DFlash, DFlash2 and LiLiCorr verify 4 rows a block (128 blocks a step),
 # DSpark 3 (170 blocks). DFlash and DSpark keep the demo's 4,096-token draft vocabulary; DFlash2 and
-# LiLiCorr score the whole vocabulary (their heads index by token id). LiLiCorr: candidate top-k 4 and a
-# head of 2 layers at the drafter's width (train/drafters/lilicorr.py's defaults). Online tau over every
-# held-out prompt (--online-prompts 77: all of them on the demo's cache). Read them with --baseline "dspark kl+ce" (the demo's drafter).
+# LiLiCorr score the whole vocabulary (their heads index by token id). LiLiCorr keeps its kind's
+# defaults (8 candidates a slot, a 2-layer lattice at the drafter's width); its convolutions are
+# DFlash2's row's. Online tau over every held-out prompt (--online-prompts 1000: the demo's cache holds
+# 77). Read them with --baseline "dspark kl+ce" (the demo's drafter).
 TV_CE = {"loss": "0.9tv+0.1ce"}
 THREE_DRAFTS = {**{k: v for k, v in DEMO_V3.items() if k != "block_size"}, "num_drafts": 3, "tokens_per_step": 512}
 KINDS_54 = {
@@ -186,7 +187,8 @@ KINDS_54 = {
     "dspark": {**THREE_DRAFTS, **DSPARK, "tokens_per_step": 510},
     "dflash2": {**THREE_DRAFTS, **DFLASH2},
     "lilicorr": {**THREE_DRAFTS, "drafter": "lilicorr", "draft_vocab": None},
-    "lilicorr+conv": {**THREE_DRAFTS, "drafter": "lilicorr", "draft_vocab": None, "conv_group_size": 16},
+    "lilicorr+conv": {**THREE_DRAFTS, "drafter": "lilicorr", "draft_vocab": None, "lilicorr_convolutions": True,
+                      "conv_group_size": 16},
 }
 for _kind, _settings in KINDS_54.items():
     VARIANTS[f"{_kind} kl+ce"] = _settings

@@ -71,6 +71,18 @@ ROWS = {
                    {"candidate_selector.top_k": lambda c: c.selector_top_k,
                     "layers.1.attention_conv.taps": lambda c: c.conv_kernel_size,
                     "layers.1.mlp_conv.group_size": lambda c: c.conv_group_size}),
+    "lilicorr": Row("lilicorr", {"num_drafts": 3, "lilicorr_candidate_topk": 4, "lilicorr_num_heads": 2,
+                                 "lilicorr_factor_dim": 6}, "sglang/srt/models/lilicorr.py", "DFLASH",
+                    {"lilicorr.candidate_topk": lambda c: c.lilicorr_candidate_topk,
+                     "lilicorr.num_heads": lambda c: c.lilicorr_num_heads,
+                     "lilicorr.factor_dim": lambda c: c.lilicorr_factor_dim,
+                     "lilicorr.logit_scale": lambda c: c.lilicorr_logit_scale}),
+    "lilicorr-conv": Row("lilicorr", {"num_drafts": 3, "lilicorr_candidate_topk": 4, "lilicorr_num_heads": 2,
+                                      "lilicorr_factor_dim": 6, "conv_kernel_size": 2, "conv_group_size": 8},
+                         "sglang/srt/models/lilicorr.py", "DFLASH",
+                         {"lilicorr.candidate_topk": lambda c: c.lilicorr_candidate_topk,
+                          "layers.1.attention_conv.taps": lambda c: c.conv_kernel_size,
+                          "layers.1.mlp_conv.group_size": lambda c: c.conv_group_size}),
 }
 
 # Fields SGLang reads that our config.json leaves out, and why its default is what we trained.

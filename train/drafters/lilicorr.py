@@ -67,7 +67,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.kernels.reference import TAIL_EPS, teacher_tail
-from dflash.train.drafters.base import DrafterKind, Drafts, LossOperands, vllm_placeholders, vllm_serving
+from dflash.train.drafters.base import (
+    DrafterKind,
+    Drafts,
+    LossOperands,
+    sglang_serving,
+    vllm_placeholders,
+    vllm_serving,
+)
 from dflash.train.drafters.dflash2 import DFlash2Layer, _CandidateLogits, unary_top_k
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterLayer, RMSNorm, TargetHead
 
@@ -652,7 +659,9 @@ class LiLiCorrKind(DrafterKind):
             f"{c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass `num_speculative_tokens` "
             f"{c.num_drafts} (vLLM takes 1 to {c.num_drafts}). It runs on vLLM's V2 model runner only, vLLM's "
             "default where Triton is installed, as on a GPU (on a CPU it needs Triton, which PyPI's build lacks):",
-            "The lattice reads the target's embedding and LM head, so vLLM serves it with the whole vocabulary.")
+            "The lattice reads the target's embedding and LM head, so vLLM serves it with the whole vocabulary.",
+            sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", self.hf_block_size(c),
+                           "the verify window, as trained: the drafts and the anchor"))
 
 
 __all__ = ["CONV_FIELDS", "HEAD_FIELDS", "LatticeHead", "LatticeRows", "LiLiCorrConfig", "LiLiCorrDrafter",
