@@ -191,7 +191,42 @@ def resolve_layer_ids(layer_ids: list[int] | None, num_feature_layers: int, num_
     return list(layer_ids)
 
 
-class Target:
+class TargetFolder:
+    """What identifies a target whichever engine runs it: its folder (config, weights, tokenizer)
+    and how it ran. The engines (`Target` here, vllm_engine.py's `VllmTarget`) set `path`,
+    `config`, `num_layers` and `dtype`."""
+
+    path: Path
+    config: Any
+    num_layers: int
+    dtype: torch.dtype
+
+    def identity(self) -> dict[str, Any]:
+        """CacheSpec.target: what identifies this target and how it ran."""
+        return {
+            "name": self.path.name,
+            "architecture": (self.config.architectures or [self.unnamed_architecture()])[0],
+            "model_type": self.config.model_type,
+            "num_layers": self.num_layers,
+            "config_sha256": file_sha256([self.path / "config.json"]),
+            "fingerprint": self.fingerprint,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def unnamed_architecture(self) -> str:
+        """The architecture `identity` records when config.json names none."""
+        return self.config.model_type
+
+    @functools.cached_property
+    def fingerprint(self) -> str | None:
+        """The fingerprint of the target's weights (dflash.common.fingerprint)."""
+        return target_fingerprint(self.path)
+
+    def tokenizer_sha256(self) -> str:
+        return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
+
+
+class Target(TargetFolder):
     """A causal LM that returns chosen layers' features and the top-k of its next-token
     distribution per position, and generates replies."""
 
@@ -356,25 +391,8 @@ class Target:
         """Release the engine: nothing to do here (the model goes with this object); the vLLM
         engine's stops."""
 
-    def identity(self) -> dict[str, Any]:
-        """CacheSpec.target: what identifies this target and how it ran."""
-        return {
-            "name": self.path.name,
-            "architecture": (self.config.architectures or [type(self.model).__name__])[0],
-            "model_type": self.config.model_type,
-            "num_layers": self.num_layers,
-            "config_sha256": file_sha256([self.path / "config.json"]),
-            "fingerprint": self.fingerprint,
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
-
-    @functools.cached_property
-    def fingerprint(self) -> str | None:
-        """The fingerprint of the weights this target loaded (dflash.common.fingerprint)."""
-        return target_fingerprint(self.path)
-
-    def tokenizer_sha256(self) -> str:
-        return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
+    def unnamed_architecture(self) -> str:
+        return type(self.model).__name__
 
     def write_target_dir(self, out: Path) -> None:
         """Write `out` (CACHE/target): `write_target_folder` with this model's embedding, LM head

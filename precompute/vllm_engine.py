@@ -22,7 +22,6 @@ vLLM's (`tensor_parallel_size` GPUs per rank).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -37,11 +36,10 @@ import torch
 
 from dflash.precompute.device_codecs import DEVICE_CODECS
 from dflash.precompute.target import (
-    TOKENIZER_FILES,
     Generated,
+    TargetFolder,
     TargetOutput,
     check_target_dir,
-    file_sha256,
     resolve_layer_ids,
     target_info,
     write_target_folder,
@@ -93,7 +91,7 @@ def spool_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"dflash-vllm-{os.getpid()}-", dir=root))
 
 
-class VllmTarget:
+class VllmTarget(TargetFolder):
     """A causal LM served by vLLM that returns chosen layers' features (encoded with a device
     codec in the worker) and the top-k of its next-token distribution, and generates replies."""
 
@@ -214,25 +212,7 @@ class VllmTarget:
 
     def identity(self) -> dict[str, Any]:
         """CacheSpec.target: what identifies this target and how it ran (the engine included)."""
-        return {
-            "name": self.path.name,
-            "architecture": (self.config.architectures or [self.config.model_type])[0],
-            "model_type": self.config.model_type,
-            "num_layers": self.num_layers,
-            "config_sha256": file_sha256([self.path / "config.json"]),
-            "fingerprint": self.fingerprint,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "engine": f"vllm {self.engine_version}",
-        }
-
-    @functools.cached_property
-    def fingerprint(self) -> str | None:
-        from dflash.common.fingerprint import target_fingerprint
-
-        return target_fingerprint(self.path)
-
-    def tokenizer_sha256(self) -> str:
-        return file_sha256([self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()])
+        return {**super().identity(), "engine": f"vllm {self.engine_version}"}
 
     def write_target_dir(self, out: Path) -> None:
         """Write `out` (CACHE/target) as the transformers engine does, the embedding, LM head
