@@ -186,8 +186,8 @@ class LossConfig:
     """kl: sparse KL to the cached top-k with a tail bucket; ce: cross-entropy to the target's
     top-1; kl+ce: kl + ce_weight * ce (the default: bench/RESULTS.md "recipe"); tv: total
     variation to the top-k with a tail bucket (a lower bound of the full TV, one minus the
-    acceptance rate); tv+ce: tv + ce_weight * ce; 0.9tv+0.1ce: DSpark's loss (and speculators'
-    XPress), ce_weight ignored."""
+    acceptance rate); tv+ce: tv + ce_weight * ce; 0.9tv+0.1ce: 0.9 * tv + 0.1 * ce, ce_weight
+    ignored (the published recipe: train/README.md's loss section says whose)."""
     ce_weight: float = 0.5
     """Weight of the cross-entropy term in kl+ce and tv+ce."""
     decay_gamma: float | None = field(default=None, metadata=AUTO)
