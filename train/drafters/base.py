@@ -284,6 +284,24 @@ def vllm_serving(target: str, spec: str, intro: str, closing: str, sglang: list[
             "```", "", *sglang, *([""] if sglang else []), closing]
 
 
+def v2_runner_serving(kind: DrafterKind, config: DrafterConfig, target: str | None, *, drafts_note: str,
+                      closing: str, block_meaning: str) -> list[str]:
+    """A model card's "Serving" section for a kind vLLM serves by its architecture on the V2 model runner
+    only (DFlash2, LiLiCorr): vLLM's lines, then SGLang's (`--speculative-num-draft-tokens` the block,
+    `block_meaning`), then `closing`. `drafts_note` follows the num_speculative_tokens value."""
+    c = config
+    target, spec = vllm_placeholders(target, kind.speculative_config(c))
+    return vllm_serving(
+        target, spec,
+        f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `{kind.vllm_method}` "
+        f"speculative method (vLLM 0.32 or later: its `{kind.architecture}` architecture); greedy output is the "
+        f"target's own. {c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass `num_speculative_tokens` "
+        f"{c.num_drafts}{drafts_note}. It runs on vLLM's V2 model runner only, vLLM's default where Triton is "
+        "installed, as on a GPU (on a CPU it needs Triton, which PyPI's build lacks):",
+        closing,
+        sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", kind.hf_block_size(c), block_meaning))
+
+
 def sglang_serving(target: str, algorithm: str, block_flag: str, block: int, meaning: str) -> list[str]:
     """A model card's SGLang lines: its server command with `--speculative-algorithm algorithm` and
     the block in the flag SGLang resolves it from (`block_flag` `block`, which is `meaning`).
@@ -323,5 +341,5 @@ def _drafts(logits: torch.Tensor, head: TargetHead, n: int, margins: bool) -> Dr
                   margins=(top.values[:, 0] - top.values[:, 1]).view(n, -1))
 
 
-__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "sglang_serving", "vllm_placeholders",
-           "vllm_serving"]
+__all__ = ["Drafts", "DrafterKind", "LossOperands", "greedy_tokens", "sglang_serving", "v2_runner_serving",
+           "vllm_placeholders", "vllm_serving"]

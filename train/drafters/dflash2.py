@@ -52,9 +52,7 @@ from dflash.train.drafters.base import (
     DrafterKind,
     Drafts,
     LossOperands,
-    sglang_serving,
-    vllm_placeholders,
-    vllm_serving,
+    v2_runner_serving,
 )
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterLayer, TargetHead
 
@@ -439,20 +437,12 @@ class DFlash2Kind(DrafterKind):
 
     def serving_lines(self, config: DrafterConfig, target: str | None) -> list[str]:
         """vLLM's `dflash` method, which serves the DFlash2 architecture on its V2 model runner."""
-        c = config
-        target, spec = vllm_placeholders(target, self.speculative_config(c))
-        return vllm_serving(
-            target, spec,
-            f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dflash` speculative "
-            f"method (vLLM 0.32 or later: its `DFlash2DraftModel` architecture); greedy output is the target's own. "
-            f"{c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass `num_speculative_tokens` "
-            f"{c.num_drafts}, which also sets the convolutions' block of {c.num_drafts + 1} rows as trained. It runs "
-            "on vLLM's V2 model runner only, vLLM's default where Triton is installed, as on a GPU (on a CPU it needs "
-            "Triton, which PyPI's build lacks):",
-            "Transformers: z-lab/dflash's `DFlash2DraftModel.from_pretrained(folder)` and its `dflash_generate` "
-            "loop.",
-            sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", self.hf_block_size(c),
-                           "the verify window and the convolutions' block, as trained: the drafts and the anchor"))
+        return v2_runner_serving(
+            self, config, target,
+            drafts_note=f", which also sets the convolutions' block of {config.num_drafts + 1} rows as trained",
+            closing="Transformers: z-lab/dflash's `DFlash2DraftModel.from_pretrained(folder)` and its "
+                    "`dflash_generate` loop.",
+            block_meaning="the verify window and the convolutions' block, as trained: the drafts and the anchor")
 
 
 __all__ = ["CandidateSelector", "DFlash2Config", "DFlash2Drafter", "DFlash2Kind", "DFlash2Layer", "DFlash2Options",

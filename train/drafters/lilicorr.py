@@ -71,9 +71,7 @@ from dflash.train.drafters.base import (
     DrafterKind,
     Drafts,
     LossOperands,
-    sglang_serving,
-    vllm_placeholders,
-    vllm_serving,
+    v2_runner_serving,
 )
 from dflash.train.drafters.dflash2 import DFlash2Layer, _CandidateLogits, unary_top_k
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterLayer, RMSNorm, TargetHead
@@ -650,18 +648,11 @@ class LiLiCorrKind(DrafterKind):
 
     def serving_lines(self, config: DrafterConfig, target: str | None) -> list[str]:
         """vLLM's `dflash` method, which serves the LiLiCorr architecture on its V2 model runner."""
-        c = config
-        target, spec = vllm_placeholders(target, self.speculative_config(c))
-        return vllm_serving(
-            target, spec,
-            f"Serve next to the target it was trained for (its folder: `{target}`) with vLLM's `dflash` speculative "
-            f"method (vLLM 0.32 or later: its `LiLiCorrDraftModel` architecture); greedy output is the target's own. "
-            f"{c.num_drafts} drafts per verify of {c.num_drafts + 1} tokens: pass `num_speculative_tokens` "
-            f"{c.num_drafts} (vLLM takes 1 to {c.num_drafts}). It runs on vLLM's V2 model runner only, vLLM's "
-            "default where Triton is installed, as on a GPU (on a CPU it needs Triton, which PyPI's build lacks):",
-            "The lattice reads the target's embedding and LM head, so vLLM serves it with the whole vocabulary.",
-            sglang_serving(target, "DFLASH", "--speculative-num-draft-tokens", self.hf_block_size(c),
-                           "the verify window, as trained: the drafts and the anchor"))
+        return v2_runner_serving(
+            self, config, target, drafts_note=f" (vLLM takes 1 to {config.num_drafts})",
+            closing="The lattice reads the target's embedding and LM head, so vLLM serves it with the whole "
+                    "vocabulary.",
+            block_meaning="the verify window, as trained: the drafts and the anchor")
 
 
 __all__ = ["CONV_FIELDS", "HEAD_FIELDS", "LatticeHead", "LatticeRows", "LiLiCorrConfig", "LiLiCorrDrafter",
