@@ -82,6 +82,12 @@ class Generated:
     finished: bool
     """True when the model ended the reply itself; False when cut at its token budget."""
 
+    @classmethod
+    def cut(cls, token_ids: list[int], eos_ids: list[int]) -> Generated:
+        """The reply of generated `token_ids`, cut before the first of `eos_ids` (finished) if any."""
+        end = next((j for j, tok in enumerate(token_ids) if tok in eos_ids), None)
+        return cls(token_ids=token_ids if end is None else token_ids[:end], finished=end is not None)
+
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
     """"auto" -> cuda:local_rank when CUDA is available, else cpu (`device`: one of
@@ -383,8 +389,7 @@ class Target(TargetFolder):
         results = []
         for b, row in enumerate(out[:, width:].tolist()):
             row = row[: max_new_tokens[b]]
-            end = next((j for j, tok in enumerate(row) if tok in self.eos_ids), None)
-            results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
+            results.append(Generated.cut(row, self.eos_ids))
         return results
 
     def close(self) -> None:
@@ -482,11 +487,17 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    return merge_eos_ids(getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
+                         tokenizer.eos_token_id)
+
+
+def merge_eos_ids(*values: int | list[int] | None) -> list[int]:
+    """The distinct end-of-sequence ids of `values` (each an id, a list of ids, or None), in order:
+    the generation config's, the model config's and the tokenizer's."""
     ids: list[int] = []
-    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
-                  tokenizer.eos_token_id):
+    for value in values:
         for i in value if isinstance(value, list) else [value]:
-            if i is not None and i not in ids:
+            if i is not None and int(i) not in ids:
                 ids.append(int(i))
     return ids
 

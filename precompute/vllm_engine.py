@@ -40,6 +40,7 @@ from dflash.precompute.target import (
     TargetFolder,
     TargetOutput,
     check_target_dir,
+    merge_eos_ids,
     resolve_layer_ids,
     target_info,
     write_target_folder,
@@ -199,12 +200,7 @@ class VllmTarget(TargetFolder):
                   for j, n in enumerate(max_new_tokens)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
-        results = []
-        for out in outputs:
-            row = list(out.outputs[0].token_ids)
-            end = next((j for j, tok in enumerate(row) if tok in self.eos_ids), None)
-            results.append(Generated(token_ids=row if end is None else row[:end], finished=end is not None))
-        return results
+        return [Generated.cut(list(out.outputs[0].token_ids), self.eos_ids) for out in outputs]
 
     def close(self) -> None:
         """Stop this process's engine (its worker and process groups) and remove its spool."""
@@ -344,14 +340,8 @@ def check_tokenizers_agree(path: Path, mine: Any, theirs: Any) -> None:
 
 def _eos_ids(path: Path, config: Any, tokenizer: Any) -> list[int]:
     generation = path / "generation_config.json"
-    values = [json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None,
-              config.get_text_config().eos_token_id, tokenizer.eos_token_id]
-    ids: list[int] = []
-    for value in values:
-        for i in value if isinstance(value, list) else [value]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return ids
+    return merge_eos_ids(json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None,
+                         config.get_text_config().eos_token_id, tokenizer.eos_token_id)
 
 
 __all__ = ["INSTALL_LINE", "VllmTarget", "vllm_version"]
